@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs the Debian packages ndtrain builds against (skips what is already there). Needs root.
+set -euo pipefail
+PKGS=(build-essential cmake ninja-build pkg-config libopenblas-dev libopenmpi-dev openmpi-bin
+      libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libfmt-dev libsentencepiece-dev sentencepiece
+      libgtest-dev libgmock-dev)
+missing=()
+for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if ((${#missing[@]})); then
+  echo "[ndtrain] installing: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+echo "[ndtrain] dependencies present"

@@ -1,0 +1,103 @@
+// ndtrain verify: run the single-process reference and a parallel layout on the same config and seed,
+// and compare per-step loss and gradient norm and the final (gathered) weights.
+#include <algorithm>
+#include <cmath>
+
+#include "apps/commands.h"
+#include "apps/setup.h"
+#include "parallel/layout.h"
+#include "parallel/tp/gather_params.h"
+#include "train/trainer.h"
+
+namespace ndt::app {
+namespace {
+
+double rel(double a, double ref) { return std::abs(a - ref) / std::max(std::abs(ref), 1e-12); }
+
+// ||a - b||_inf / ||b||_inf over one tensor.
+double weight_rel_diff(const Tensor& a, const Tensor& b) {
+  double dmax = 0, bmax = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    dmax = std::max(dmax, static_cast<double>(std::abs(a.f32()[i] - b.f32()[i])));
+    bmax = std::max(bmax, static_cast<double>(std::abs(b.f32()[i])));
+  }
+  return dmax / std::max(bmax, 1e-12);
+}
+
+}  // namespace
+
+Runner add_verify(CLI::App& app) {
+  auto* cmd = app.add_subcommand("verify", "Check a parallel layout against the single-process run");
+  struct Opts {
+    std::string config;
+    std::vector<std::string> sets;
+    int64_t steps = 5;
+    double tol_loss = 1e-5, tol_weights = 1e-4;
+  };
+  auto o = std::make_shared<Opts>();
+  cmd->add_option("-c,--config", o->config, "YAML config file")->required();
+  cmd->add_option("--set", o->sets, "Config overrides, including the layout: --set parallel.tp=2 parallel.dp=2");
+  cmd->add_option("--steps", o->steps, "Optimizer steps to compare")->check(CLI::Range(1, 1000));
+  cmd->add_option("--tol-loss", o->tol_loss, "Max relative difference of loss and grad norm per step");
+  cmd->add_option("--tol-weights", o->tol_weights, "Max ||w - w_ref||_inf / ||w_ref||_inf per tensor");
+  return [o](Communicator& world) {
+    RunSetup s = load_run(world, o->config, o->sets);
+    s.cfg.train.steps = o->steps;
+    auto layout = Layout::create(s.cfg, world);
+    agree_or_throw(layout.status(), world);
+
+    // The reference runs on every rank (no communication, identical everywhere): one process, same
+    // config, seed, global batch and microbatch size.
+    Config ref_cfg = s.cfg;
+    ref_cfg.parallel = ParallelConfig{};
+    Trainer ref(ref_cfg, RunComms{}, *s.tok, *s.train, nullptr);
+    Trainer par(s.cfg, layout.value()->comms(), *s.tok, *s.train, nullptr);
+    for (int64_t i = 0; i < o->steps; ++i) {
+      ref.train_step(i);
+      par.train_step(i);
+    }
+    RunComms pc = layout.value()->comms();
+    auto par_w = gather_full_params(par.model().params(), *pc.tp);
+
+    bool ok = true;
+    const bool logger = world.rank() == 0;
+    if (logger) {
+      std::printf("verify: %s against the single-process run, %lld steps\n", layout.value()->grid().describe().c_str(),
+                  static_cast<long long>(o->steps));
+      std::printf("%5s %14s %14s %10s %12s %12s %10s\n", "step", "loss(ref)", "loss", "rel", "gnorm(ref)", "gnorm",
+                  "rel");
+    }
+    for (int64_t i = 0; i < o->steps; ++i) {
+      const StepStats &a = ref.history()[static_cast<size_t>(i)], &b = par.history()[static_cast<size_t>(i)];
+      const double rl = rel(b.loss, a.loss), rg = rel(b.grad_norm, a.grad_norm);
+      ok = ok && rl <= o->tol_loss && rg <= o->tol_loss && a.tokens == b.tokens;
+      if (logger)
+        std::printf("%5lld %14.8f %14.8f %10.2e %12.6f %12.6f %10.2e%s\n", static_cast<long long>(i), a.loss, b.loss,
+                    rl, a.grad_norm, b.grad_norm, rg, (rl <= o->tol_loss && rg <= o->tol_loss) ? "" : "  <-- FAIL");
+    }
+    double worst = 0;
+    std::string worst_name;
+    for (const auto& [name, w] : par_w) {
+      const Param* rp = ref.model().params().find(name);
+      NDT_CHECK(rp != nullptr && rp->value.numel() == w.numel(), "layout has parameter {} that the reference lacks",
+                name);
+      const double d = weight_rel_diff(w, rp->value);
+      if (d >= worst) {
+        worst = d;
+        worst_name = name;
+      }
+    }
+    ok = ok && par_w.size() == ref.model().params().all().size() && worst <= o->tol_weights;
+    if (logger)
+      std::printf("weights after %lld steps: max ||w - w_ref||_inf / ||w_ref||_inf = %.2e (%s), tolerance %.1e\n",
+                  static_cast<long long>(o->steps), worst, worst_name.c_str(), o->tol_weights);
+    // Every rank checked its own copy; the layout passes only if all of them did.
+    int32_t all_ok = ok;
+    world.all_reduce(&all_ok, 1, DType::I32, ReduceOp::Min);
+    if (logger) std::printf("verify: %s\n", all_ok ? "PASS" : "FAIL");
+    std::fflush(stdout);
+    return all_ok ? 0 : 1;
+  };
+}
+
+}  // namespace ndt::app

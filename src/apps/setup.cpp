@@ -1,0 +1,37 @@
+#include "apps/setup.h"
+
+#include "data/make_dataset.h"
+#include "parallel/layout.h"
+
+namespace ndt::app {
+
+void agree_or_throw(const Status& local, Communicator& world) { agree(local, world).throw_if_error(); }
+
+RunSetup load_run(Communicator& world, const std::string& config_path, const std::vector<std::string>& overrides) {
+  RunSetup s;
+  auto cfg = load_config(config_path, overrides);
+  agree_or_throw(cfg.status(), world);
+  s.cfg = std::move(cfg).value();
+  agree_or_throw(validate_layout(s.cfg, world.size()), world);
+
+  auto tok = make_tokenizer(s.cfg.data.tokenizer);
+  agree_or_throw(tok.status(), world);
+  s.tok = std::move(tok).value();
+  if (s.tok->vocab_size() > s.cfg.model.vocab_size) {
+    agree_or_throw(Status::error(fmt::format("tokenizer '{}' has {} tokens but model.vocab_size is {}",
+                                             s.cfg.data.tokenizer, s.tok->vocab_size(), s.cfg.model.vocab_size)),
+                   world);
+  }
+  auto train = make_dataset(s.cfg.data, *s.tok, false);
+  agree_or_throw(train.status(), world);
+  s.train = std::move(train).value();
+  const bool synthetic = s.cfg.data.task == "addition" || s.cfg.data.task == "lm";
+  if (synthetic || !s.cfg.data.val_path.empty()) {
+    auto val = make_dataset(s.cfg.data, *s.tok, true);
+    agree_or_throw(val.status(), world);
+    s.val = std::move(val).value();
+  }
+  return s;
+}
+
+}  // namespace ndt::app

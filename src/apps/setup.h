@@ -1,0 +1,27 @@
+#pragma once
+// What every command needs before work starts: the config, tokenizer and datasets. Loaded on every
+// rank; failures are agreed over the world so that all ranks stop together with the same message.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/dataset.h"
+#include "dist/communicator.h"
+#include "train/config.h"
+
+namespace ndt::app {
+
+struct RunSetup {
+  Config cfg;
+  std::unique_ptr<Tokenizer> tok;
+  std::unique_ptr<Dataset> train;
+  std::unique_ptr<Dataset> val;  // may be null
+};
+
+// Config, tokenizer, datasets, layout validation. Throws ndt::Error (same message on every rank).
+RunSetup load_run(Communicator& world, const std::string& config_path, const std::vector<std::string>& overrides);
+
+// Turn a local status into a world-agreed one and throw it when it is an error.
+void agree_or_throw(const Status& local, Communicator& world);
+
+}  // namespace ndt::app

@@ -1,0 +1,28 @@
+#pragma once
+// Invariant checks and the project's exception type.
+// NDT_CHECK is for invariants inside the engine (a failure is a bug or a bad input that slipped past
+// validation); boundaries (config, files, communicator init) return Status/Result instead.
+#include <stdexcept>
+#include <string>
+
+#include <fmt/format.h>
+
+namespace ndt {
+
+// Thrown on a violated invariant or an unrecoverable user error. Carries a user-readable message.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+[[noreturn]] void check_failed(const char* file, int line, const char* cond, const std::string& msg);
+
+}  // namespace ndt
+
+#define NDT_CHECK(cond, ...)                                                          \
+  do {                                                                                \
+    if (!(cond)) ::ndt::check_failed(__FILE__, __LINE__, #cond, ::fmt::format("" __VA_ARGS__)); \
+  } while (0)
+
+// Raise a user-facing error (no file:line, the message must say everything).
+#define NDT_FAIL(...) throw ::ndt::Error(::fmt::format(__VA_ARGS__))

@@ -1,0 +1,114 @@
+#include "core/tensor.h"
+
+#include <cstdlib>
+
+namespace ndt {
+
+size_t dtype_size(DType dt) {
+  switch (dt) {
+    case DType::F32: return 4;
+    case DType::BF16: return 2;
+    case DType::I32: return 4;
+    case DType::I64: return 8;
+    case DType::F64: return 8;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dt) {
+  switch (dt) {
+    case DType::F32: return "f32";
+    case DType::BF16: return "bf16";
+    case DType::I32: return "i32";
+    case DType::I64: return "i64";
+    case DType::F64: return "f64";
+  }
+  return "?";
+}
+
+const char* device_name(Device d) { return d == Device::CPU ? "cpu" : "cuda"; }
+
+int64_t shape_numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) {
+    NDT_CHECK(d >= 0, "negative dimension in shape {}", shape_str(s));
+    n *= d;
+  }
+  return n;
+}
+
+std::string shape_str(const Shape& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + ")";
+}
+
+int64_t Tensor::size(int64_t d) const {
+  if (d < 0) d += dim();
+  NDT_CHECK(d >= 0 && d < dim(), "dim {} out of range for shape {}", d, shape_str(shape_));
+  return shape_[static_cast<size_t>(d)];
+}
+
+Tensor Tensor::empty(Shape shape, DType dt, Device dev) {
+  NDT_CHECK(dev == Device::CPU, "CUDA tensors need the GPU backend (not built into this binary)");
+  Tensor t;
+  t.numel_ = shape_numel(shape);
+  t.shape_ = std::move(shape);
+  t.dtype_ = dt;
+  t.device_ = dev;
+  // 64-byte alignment for SIMD; at least one byte so that defined() holds for empty tensors.
+  size_t bytes = (std::max<size_t>(t.nbytes(), 1) + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, bytes);
+  NDT_CHECK(p != nullptr, "out of memory allocating {} bytes", bytes);
+  t.storage_ = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { std::free(q); });
+  return t;
+}
+
+Tensor Tensor::zeros(Shape shape, DType dt, Device dev) {
+  Tensor t = empty(std::move(shape), dt, dev);
+  t.zero_();
+  return t;
+}
+
+Tensor Tensor::full(Shape shape, float value) {
+  Tensor t = empty(std::move(shape));
+  float* p = t.f32();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = value;
+  return t;
+}
+
+Tensor Tensor::view(Shape shape) const {
+  NDT_CHECK(shape_numel(shape) == numel_, "view: cannot view {} as {}", shape_str(shape_), shape_str(shape));
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  return t;
+}
+
+Tensor Tensor::view_at(int64_t offset, Shape shape) const {
+  int64_t n = shape_numel(shape);
+  NDT_CHECK(offset >= 0 && offset + n <= numel_, "view_at: [{}, {}) outside a tensor of {} elements", offset,
+            offset + n, numel_);
+  Tensor t = *this;
+  t.storage_ = std::shared_ptr<uint8_t>(storage_, storage_.get() + offset * dtype_size(dtype_));
+  t.shape_ = std::move(shape);
+  t.numel_ = n;
+  return t;
+}
+
+Tensor Tensor::clone() const {
+  Tensor t = empty(shape_, dtype_, device_);
+  if (numel_) std::memcpy(t.data_ptr(), data_ptr(), nbytes());
+  return t;
+}
+
+void Tensor::zero_() {
+  if (numel_) std::memset(data_ptr(), 0, nbytes());
+}
+
+void Tensor::copy_from(const Tensor& src) {
+  NDT_CHECK(src.numel_ == numel_ && src.dtype_ == dtype_, "copy_from: {} {} into {} {}", shape_str(src.shape_),
+            dtype_name(src.dtype_), shape_str(shape_), dtype_name(dtype_));
+  if (numel_) std::memcpy(data_ptr(), src.data_ptr(), nbytes());
+}
+
+}  // namespace ndt

@@ -1,0 +1,20 @@
+#pragma once
+// Builds the dataset a config asks for.
+#include <memory>
+
+#include "core/status.h"
+#include "data/dataset.h"
+#include "data/tokenizer.h"
+#include "train/config.h"
+
+namespace ndt {
+
+// task "addition" | "lm": embedded synthetic generators; validation = true gives an independent stream
+//   (addition: the held-out eval split; lm: another Philox stream of the same seed).
+// task "shards": cfg.path (validation: cfg.val_path), a .bin file or a directory of them.
+// task "sft": cfg.path (validation: cfg.val_path), a JSONL file.
+// For shards/sft with validation = true an empty val_path is an error. The tokenizer must outlive the
+// returned dataset (synthetic tasks keep a reference).
+Result<std::unique_ptr<Dataset>> make_dataset(const DataConfig& cfg, const Tokenizer& tok, bool validation);
+
+}  // namespace ndt

@@ -1,0 +1,118 @@
+#include "model/params.h"
+
+#include "core/rng.h"
+
+namespace ndt {
+
+int64_t slice_to_global_index(const Shape& local, const Shape& global, int shard_dim, int64_t offset, int64_t i) {
+  if (shard_dim < 0) return i;
+  // Decompose the local index over the local shape, shift the sharded coordinate, recompose globally.
+  int64_t g = 0, rem = i, stride = shape_numel(local);
+  for (size_t d = 0; d < local.size(); ++d) {
+    stride /= local[d];
+    int64_t c = rem / stride;
+    rem %= stride;
+    if (static_cast<int>(d) == shard_dim) c += offset;
+    g = g * global[d] + c;
+  }
+  return g;
+}
+
+int64_t Param::global_index(int64_t i) const {
+  return slice_to_global_index(value.shape(), global_shape, shard_dim, shard_offset, i);
+}
+
+float init_value(uint64_t seed, const std::string& name, InitKind kind, float std, int64_t global_index) {
+  switch (kind) {
+    case InitKind::Ones: return 1.0f;
+    case InitKind::Zeros: return 0.0f;
+    case InitKind::Normal:
+      return std * philox_normal(seed, stable_hash(name), static_cast<uint64_t>(global_index));
+  }
+  return 0.0f;
+}
+
+Param& ParamStore::add(const std::string& name, Shape global_shape, InitKind init, float init_std,
+                       bool weight_decay, int shard_dim, int64_t shards, int64_t shard_rank) {
+  NDT_CHECK(find(name) == nullptr, "duplicate parameter {}", name);
+  auto p = std::make_unique<Param>();
+  p->name = name;
+  p->global_shape = global_shape;
+  Shape local = global_shape;
+  if (shard_dim >= 0 && shards > 1) {
+    NDT_CHECK(global_shape[shard_dim] % shards == 0, "parameter {} dim {} of size {} not divisible into {} shards",
+              name, shard_dim, global_shape[shard_dim], shards);
+    local[shard_dim] = global_shape[shard_dim] / shards;
+    p->shard_dim = shard_dim;
+    p->shard_offset = local[shard_dim] * shard_rank;
+    p->tp_replicated = false;
+  }
+  p->init = init;
+  p->init_std = init_std;
+  p->weight_decay = weight_decay;
+  p->value = Tensor::zeros(local);
+  p->grad = Tensor::zeros(local);
+  params_.push_back(std::move(p));
+  return *params_.back();
+}
+
+void ParamStore::init(uint64_t seed) {
+  for (auto& p : params_) {
+    float* v = p->value.f32();
+    const int64_t n = p->numel();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) v[i] = init_value(seed, p->name, p->init, p->init_std, p->global_index(i));
+  }
+}
+
+void ParamStore::zero_grad() {
+  for (auto& p : params_) p->grad.zero_();
+}
+
+Param* ParamStore::find(const std::string& name) {
+  for (auto& p : params_)
+    if (p->name == name) return p.get();
+  return nullptr;
+}
+
+Param& ParamStore::get(const std::string& name) {
+  Param* p = find(name);
+  NDT_CHECK(p != nullptr, "no parameter named {}", name);
+  return *p;
+}
+
+const Param& ParamStore::get(const std::string& name) const { return const_cast<ParamStore*>(this)->get(name); }
+
+int64_t ParamStore::local_numel() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p->numel();
+  return n;
+}
+
+void ParamStore::flatten(int64_t align) {
+  offsets_.clear();
+  int64_t n = 0;
+  for (auto& p : params_) {
+    offsets_.push_back(n);
+    n += p->numel();
+  }
+  n = (n + align - 1) / align * align;
+  Tensor values = Tensor::zeros({n}), grads = Tensor::zeros({n});
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = *params_[i];
+    Tensor v = values.view_at(offsets_[i], p.value.shape());
+    v.copy_from(p.value);
+    p.value = v;
+    p.grad = grads.view_at(offsets_[i], p.value.shape());
+  }
+  flat_values_ = values;
+  flat_grads_ = grads;
+}
+
+int64_t ParamStore::offset_of(const Param& p) const {
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].get() == &p) return offsets_.at(i);
+  NDT_FAIL("parameter {} is not in this store", p.name);
+}
+
+}  // namespace ndt

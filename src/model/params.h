@@ -1,0 +1,69 @@
+#pragma once
+// Parameters with stable global names and explicit placement (DESIGN.md §1.3): each local tensor knows
+// the global tensor it is a slice of. Initialization is a pure function of (seed, global name, global
+// element index), so every layout starts from identical weights with no communication.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace ndt {
+
+enum class InitKind { Normal, Ones, Zeros };
+
+struct Param {
+  std::string name;       // global, e.g. "layers.7.attn.wq.weight"
+  Shape global_shape;     // shape of the whole tensor
+  int shard_dim = -1;     // dim split over TP ranks (-1: this rank holds the whole tensor)
+  int64_t shard_offset = 0;  // first global index along shard_dim held here
+  // Same values on every TP rank (norm weights, row-parallel biases, position table). Their gradients
+  // are partial sums under sequence parallelism and are reduced over TP; the grad norm counts them once.
+  bool tp_replicated = true;
+  bool weight_decay = false;  // matrices decay; norms and biases do not
+  InitKind init = InitKind::Normal;
+  float init_std = 0.02f;
+  Tensor value;  // local slice
+  Tensor grad;   // same shape as value; accumulated by backward (+=)
+
+  int64_t numel() const { return value.numel(); }
+  // Global flat index of local element i.
+  int64_t global_index(int64_t i) const;
+};
+
+class ParamStore {
+ public:
+  // Registers a parameter; local shape = global shape with shard_dim divided into `shards` slices of
+  // which this rank holds slice `shard_rank`.
+  Param& add(const std::string& name, Shape global_shape, InitKind init, float init_std, bool weight_decay,
+             int shard_dim = -1, int64_t shards = 1, int64_t shard_rank = 0);
+  // Fills every value from (seed, name, global index).
+  void init(uint64_t seed);
+  void zero_grad();
+  Param& get(const std::string& name);
+  const Param& get(const std::string& name) const;
+  Param* find(const std::string& name);
+  std::vector<std::unique_ptr<Param>>& all() { return params_; }
+  const std::vector<std::unique_ptr<Param>>& all() const { return params_; }
+  int64_t local_numel() const;
+  // Moves every value and grad into one flat buffer each (params become views, in registration order,
+  // each starting at Param offset), padded to a multiple of `align` elements. Flat buffers make
+  // bucketed gradient reduction and ZeRO-1 sharding plain slicing.
+  void flatten(int64_t align = 1);
+  Tensor& flat_values() { return flat_values_; }
+  Tensor& flat_grads() { return flat_grads_; }
+  int64_t offset_of(const Param& p) const;
+
+ private:
+  std::vector<std::unique_ptr<Param>> params_;
+  std::vector<int64_t> offsets_;
+  Tensor flat_values_, flat_grads_;
+};
+
+// Global flat index of element i of a slice with `local` shape taken at `offset` along shard_dim.
+int64_t slice_to_global_index(const Shape& local, const Shape& global, int shard_dim, int64_t offset, int64_t i);
+
+// The init value of element `global_index` of parameter `name`.
+float init_value(uint64_t seed, const std::string& name, InitKind kind, float std, int64_t global_index);
+
+}  // namespace ndt

@@ -1,0 +1,93 @@
+#pragma once
+// A decoder-only transformer (GPT-2 or Llama style) written for ONE device with explicit forward and
+// backward passes and typed saved activations. Tensor parallelism enters only through TpHooks (local
+// shapes: Hl = H/tp heads, KVl, Fl, Vl); pipeline parallelism through StageSpec (which layers, and
+// whether this stage owns the embedding and/or the head). Backward accumulates into Param::grad.
+//
+// Data layout is THD: all sequences of a microbatch end to end, T tokens, with cu_seqlens.
+// Under sequence parallelism the residual stream holds this rank's Tl = T/tp tokens; otherwise Tl = T.
+#include <memory>
+#include <vector>
+
+#include "core/tensor.h"
+#include "data/dataset.h"
+#include "model/params.h"
+#include "model/tp_hooks.h"
+#include "train/config.h"
+
+namespace ndt {
+
+struct StageSpec {
+  int64_t first_layer = 0;
+  int64_t last_layer = -1;  // exclusive; -1 = n_layers
+  bool has_embedding = true;
+  bool has_head = true;
+};
+
+struct LayerActs {
+  Tensor x_in;                     // (Tl, C) layer input (residual stream)
+  Tensor n1, n1_mean, n1_rstd;     // (Tl, C), (Tl), (Tl) attention norm
+  Tensor a_in;                     // (T, C) attention input after `enter`
+  Tensor q, k, v;                  // (T, Hl, D), (T, KVl, D), (T, KVl, D), after RoPE
+  Tensor att, lse;                 // (T, Hl, D), (T, Hl)
+  Tensor h;                        // (Tl, C) after the attention residual
+  Tensor n2, n2_mean, n2_rstd;     // MLP norm
+  Tensor m_in;                     // (T, C)
+  Tensor fc1, fc3;                 // (T, Fl): gpt2 pre-GELU / llama gate; llama up
+  Tensor act;                      // (T, Fl) activation output
+};
+
+struct Activations {
+  std::vector<LayerActs> layers;
+  Tensor x_final;                  // (Tl, C) input to the final norm
+  Tensor fn, fn_mean, fn_rstd;     // final norm
+  Tensor head_in;                  // (T, C)
+  Tensor logits;                   // (T, Vl) this rank's vocab columns
+  Tensor rowmax, sumexp;           // (T) reduced over TP
+  Tensor logprob;                  // (T) log p(target) per token (all TP ranks hold it)
+};
+
+class Transformer {
+ public:
+  // tp may be null (one rank). Parameters are registered with TP shapes but not initialized: call
+  // params().init(seed).
+  Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp);
+
+  ParamStore& params() { return params_; }
+  const ModelConfig& config() const { return cfg_; }
+  const StageSpec& stage() const { return stage_; }
+  int64_t local_vocab() const { return vocab_local_; }
+  int64_t vocab_start() const { return vocab_start_; }
+
+  // Runs this stage. x_in (Tl, C) is the previous stage's output (ignored on the first stage).
+  // Returns the stage output (Tl, C); on the last stage also fills acts.logprob from mb.targets.
+  Tensor forward(const Microbatch& mb, const Tensor& x_in, Activations& acts);
+  // Sum over loss-bearing tokens of -log p(target) (last stage, after forward). Double accumulation.
+  double loss_sum(const Microbatch& mb, const Activations& acts) const;
+  // Backward of this stage. On the last stage the loss gradient is seeded as loss_scale for every
+  // loss-bearing token (loss_scale = 1 / tokens in the global batch) and dy is ignored; otherwise dy
+  // (Tl, C) is the gradient of the stage output. Returns the gradient of x_in (first stage: undefined).
+  Tensor backward(const Microbatch& mb, const Tensor& dy, float loss_scale, Activations& acts);
+  // Greedy next token at the given token rows (global vocabulary ids, ties to the smallest id),
+  // from acts.logits of the last forward (last stage).
+  std::vector<int32_t> argmax_rows(const Activations& acts, const std::vector<int64_t>& rows) const;
+
+ private:
+  Tensor layer_forward(int64_t l, const Microbatch& mb, const Tensor& x, LayerActs& a);
+  Tensor layer_backward(int64_t l, const Microbatch& mb, const Tensor& dout, LayerActs& a);
+  void norm_forward(const std::string& prefix, const Tensor& x, Tensor& out, Tensor& mean, Tensor& rstd);
+  void norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x, const Tensor& mean,
+                     const Tensor& rstd);
+  Param& p(const std::string& name) { return params_.get(name); }
+  const Tensor* bias(const std::string& name);
+  std::string lp(int64_t l) const { return "layers." + std::to_string(l) + "."; }
+
+  ModelConfig cfg_;
+  StageSpec stage_;
+  TpHooks default_tp_;
+  TpHooks* tp_;
+  ParamStore params_;
+  int64_t heads_local_, kv_local_, ffn_local_, vocab_local_, vocab_start_;
+};
+
+}  // namespace ndt

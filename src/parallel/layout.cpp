@@ -1,0 +1,67 @@
+#include "parallel/layout.h"
+
+namespace ndt {
+namespace {
+
+GridSpec spec_of(const ParallelConfig& p) {
+  GridSpec s;
+  s.sizes = {{"tp", p.tp}, {"cp", p.cp}, {"ep", p.ep}, {"dp", p.dp}, {"pp", p.pp}};
+  s.order = p.order;
+  return s;
+}
+
+GridDivisibility div_of(const Config& c) {
+  GridDivisibility d;
+  d.n_heads = c.model.n_heads;
+  d.n_kv_heads = c.model.kv_heads();
+  d.vocab_size = c.model.vocab_size;
+  d.n_layers = c.model.n_layers;
+  d.global_batch = c.train.global_batch;
+  d.d_ff = c.model.ffn_dim();
+  d.virtual_stages = c.parallel.virtual_stages;
+  return d;
+}
+
+}  // namespace
+
+Status validate_layout(const Config& cfg, int world_size) {
+  const ParallelConfig& p = cfg.parallel;
+  Status st = Grid::validate(world_size, spec_of(p), div_of(cfg));
+  if (!st) return st;
+  const std::string layout = fmt::format("tp={} cp={} ep={} dp={} pp={}", p.tp, p.cp, p.ep, p.dp, p.pp);
+  if (p.pp > 1 || p.cp > 1 || p.ep > 1)
+    return Status::error("layout " + layout + ": pipeline, context and expert parallelism are not available yet");
+  const int64_t per_rank = cfg.train.global_batch / p.dp;
+  const int64_t mbs = cfg.train.micro_batch > 0 ? cfg.train.micro_batch : per_rank;
+  if (per_rank % mbs != 0)
+    return Status::error(fmt::format("train.micro_batch={} does not divide the {} samples per DP rank ({})", mbs,
+                                     per_rank, layout));
+  if (p.sequence_parallel && (mbs * cfg.data.seq_len) % p.tp != 0)
+    return Status::error(fmt::format("sequence parallel: micro_batch {} x seq_len {} tokens not divisible by tp={}",
+                                     mbs, cfg.data.seq_len, p.tp));
+  return Status::ok();
+}
+
+Result<std::unique_ptr<Layout>> Layout::create(const Config& cfg, Communicator& world) {
+  Status st = validate_layout(cfg, world.size());
+  if (!st) return st;
+  auto grid = Grid::create(world, spec_of(cfg.parallel), div_of(cfg));
+  if (!grid) return grid.status();
+  std::unique_ptr<Layout> l(new Layout());
+  l->world_ = &world;
+  l->grid_ = std::move(grid).value();
+  if (cfg.parallel.tp > 1)
+    l->tp_hooks_ = std::make_unique<CommTpHooks>(l->grid_->comm({"tp"}), cfg.parallel.sequence_parallel);
+  return l;
+}
+
+RunComms Layout::comms() {
+  RunComms c;
+  c.world = world_;
+  c.dp = &grid_->comm({"dp"});
+  c.tp = &grid_->comm({"tp"});
+  c.tp_hooks = tp_hooks_.get();
+  return c;
+}
+
+}  // namespace ndt

@@ -1,0 +1,32 @@
+#pragma once
+// Builds a run's parallel layout from the config: the Grid over the world communicator, the TP hooks
+// and the RunComms the trainer uses. Validation happens here, before any work starts, and names every
+// degree when something does not divide.
+#include <memory>
+
+#include "dist/grid.h"
+#include "parallel/tp/comm_tp_hooks.h"
+#include "train/config.h"
+#include "train/trainer.h"
+
+namespace ndt {
+
+class Layout {
+ public:
+  // Collective over world. The world communicator must outlive the layout.
+  static Result<std::unique_ptr<Layout>> create(const Config& cfg, Communicator& world);
+  RunComms comms();
+  Grid& grid() { return *grid_; }
+  Communicator& world() { return *world_; }
+  bool is_logger() const { return world_->rank() == 0; }
+
+ private:
+  Communicator* world_ = nullptr;
+  std::unique_ptr<Grid> grid_;
+  std::unique_ptr<CommTpHooks> tp_hooks_;
+};
+
+// Checks the layout against the config without communicating (same messages as create()).
+Status validate_layout(const Config& cfg, int world_size);
+
+}  // namespace ndt

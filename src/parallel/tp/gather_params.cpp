@@ -1,0 +1,27 @@
+#include "parallel/tp/gather_params.h"
+
+namespace ndt {
+
+std::vector<std::pair<std::string, Tensor>> gather_full_params(const ParamStore& params, Communicator& tp) {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& p : params.all()) {
+    if (p->shard_dim < 0 || tp.size() == 1) {
+      out.emplace_back(p->name, p->value.clone());
+      continue;
+    }
+    const int64_t n = p->numel();
+    Tensor all = Tensor::empty({tp.size() * n});
+    tp.all_gather(p->value.data_ptr(), all.data_ptr(), n, DType::F32);
+    Tensor full = Tensor::empty(p->global_shape);
+    const int64_t width = p->value.size(p->shard_dim);
+    for (int r = 0; r < tp.size(); ++r) {
+      const float* src = all.f32() + r * n;
+      for (int64_t i = 0; i < n; ++i)
+        full.f32()[slice_to_global_index(p->value.shape(), p->global_shape, p->shard_dim, width * r, i)] = src[i];
+    }
+    out.emplace_back(p->name, full);
+  }
+  return out;
+}
+
+}  // namespace ndt

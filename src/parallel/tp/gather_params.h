@@ -1,0 +1,15 @@
+#pragma once
+// Reassemble full (global) parameter tensors from TP shards: for saving weights and for parity
+// checks against the single-process run. Collective over the TP group; every rank gets the result.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "model/params.h"
+
+namespace ndt {
+
+std::vector<std::pair<std::string, Tensor>> gather_full_params(const ParamStore& params, Communicator& tp);
+
+}  // namespace ndt

@@ -1,0 +1,671 @@
+// Config parsing: YAML (+ presets) + `key=value` overrides -> typed, validated Config.
+//
+// Everything a key needs (type, range or allowed strings, where it lives in Config) is one row of
+// kSchema below, so adding a key is adding one row (plus the field in config.h). The parser first
+// flattens YAML mappings into dotted keys with their source location, then applies them in order
+// (presets first, then the file, then overrides), so later sources win and every error can name the
+// file and line the value came from.
+#include "train/config.h"
+
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <variant>
+
+namespace ndt {
+
+namespace fs = std::filesystem;
+
+int64_t ModelConfig::ffn_dim() const {
+  if (d_ff > 0) return d_ff;
+  if (style == "gpt2") return 4 * d_model;
+  // Llama rule: 2/3 of 4C (SwiGLU has three matrices instead of two, so this keeps the MLP's parameter
+  // count close to a 4C GELU MLP), rounded UP to a multiple of 32 so matmul shapes stay friendly to
+  // vector units / tensor cores and divide evenly over small TP degrees. (Meta rounds to 256; 32 wastes
+  // less on the tiny models this engine tests with.) C=128 -> 352, C=768 -> 2048, C=2048 -> 5472.
+  const int64_t raw = 8 * d_model / 3;
+  return (raw + 31) / 32 * 32;
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// Schema
+// ---------------------------------------------------------------------------------------------------
+
+enum class Kind { Int, Float, String, Bool };
+
+// Where a key's value lives: a pointer into a Config for one of the field types config.h uses.
+using FieldRef = std::variant<int64_t*, int*, double*, std::string*, bool*>;
+
+struct KeyDef {
+  const char* name;  // dotted path
+  Kind kind;
+  double lo = -std::numeric_limits<double>::infinity();  // numeric range, inclusive
+  double hi = std::numeric_limits<double>::infinity();
+  std::vector<std::string> choices;  // strings: allowed values (empty = any)
+  std::function<FieldRef(Config&)> field;
+};
+
+// Pointer-to-member pair -> accessor: member(&Config::model, &ModelConfig::d_model).
+template <typename S, typename F>
+std::function<FieldRef(Config&)> member(S Config::*section, F S::*f) {
+  return [section, f](Config& c) -> FieldRef { return &(c.*section.*f); };
+}
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+KeyDef int_key(const char* name, double lo, double hi, std::function<FieldRef(Config&)> f) {
+  return KeyDef{name, Kind::Int, lo, hi, {}, std::move(f)};
+}
+KeyDef float_key(const char* name, double lo, double hi, std::function<FieldRef(Config&)> f) {
+  return KeyDef{name, Kind::Float, lo, hi, {}, std::move(f)};
+}
+KeyDef str_key(const char* name, std::vector<std::string> choices, std::function<FieldRef(Config&)> f) {
+  return KeyDef{name, Kind::String, -kInf, kInf, std::move(choices), std::move(f)};
+}
+KeyDef bool_key(const char* name, std::function<FieldRef(Config&)> f) {
+  return KeyDef{name, Kind::Bool, -kInf, kInf, {}, std::move(f)};
+}
+
+// Order here is the order config_to_yaml writes keys in.
+const std::vector<KeyDef>& schema() {
+  using M = ModelConfig;
+  using D = DataConfig;
+  using T = TrainConfig;
+  using P = ParallelConfig;
+  auto m = [](auto M::*f) { return member(&Config::model, f); };
+  auto d = [](auto D::*f) { return member(&Config::data, f); };
+  auto t = [](auto T::*f) { return member(&Config::train, f); };
+  auto p = [](auto P::*f) { return member(&Config::parallel, f); };
+  static const std::vector<KeyDef> rows = {
+      str_key("model.style", {"gpt2", "llama"}, m(&M::style)),
+      int_key("model.vocab_size", 1, 1LL << 31, m(&M::vocab_size)),
+      int_key("model.d_model", 1, 1 << 20, m(&M::d_model)),
+      int_key("model.n_layers", 1, 4096, m(&M::n_layers)),
+      int_key("model.n_heads", 1, 4096, m(&M::n_heads)),
+      int_key("model.n_kv_heads", 0, 4096, m(&M::n_kv_heads)),
+      int_key("model.d_ff", 0, 1 << 22, m(&M::d_ff)),
+      int_key("model.max_seq_len", 1, 1 << 24, m(&M::max_seq_len)),
+      float_key("model.rope_theta", 1, kInf, m(&M::rope_theta)),
+      float_key("model.norm_eps", 0, 1, m(&M::norm_eps)),
+      int_key("model.tie_embeddings", -1, 1, m(&M::tie_embeddings)),
+      float_key("model.init_std", 0, 10, m(&M::init_std)),
+
+      str_key("data.task", {"addition", "lm", "shards", "sft"}, d(&D::task)),
+      str_key("data.path", {}, d(&D::path)),
+      str_key("data.val_path", {}, d(&D::val_path)),
+      str_key("data.tokenizer", {}, d(&D::tokenizer)),
+      int_key("data.seq_len", 1, 1 << 24, d(&D::seq_len)),
+      int_key("data.addition_digits", 1, 18, d(&D::addition_digits)),  // operands must fit in int64
+      int_key("data.seed", 0, kInf, d(&D::seed)),
+
+      int_key("train.seed", 0, kInf, t(&T::seed)),
+      int_key("train.steps", 0, kInf, t(&T::steps)),
+      int_key("train.global_batch", 1, kInf, t(&T::global_batch)),
+      int_key("train.micro_batch", 0, kInf, t(&T::micro_batch)),
+      float_key("train.lr", 0, 10, t(&T::lr)),
+      float_key("train.min_lr", 0, 10, t(&T::min_lr)),
+      int_key("train.warmup_steps", 0, kInf, t(&T::warmup_steps)),
+      float_key("train.beta1", 0, 1, t(&T::beta1)),
+      float_key("train.beta2", 0, 1, t(&T::beta2)),
+      float_key("train.adam_eps", 0, 1, t(&T::adam_eps)),
+      float_key("train.weight_decay", 0, 10, t(&T::weight_decay)),
+      float_key("train.grad_clip", 0, kInf, t(&T::grad_clip)),
+      int_key("train.log_every", 1, kInf, t(&T::log_every)),
+      int_key("train.eval_every", 0, kInf, t(&T::eval_every)),
+      int_key("train.eval_samples", 0, kInf, t(&T::eval_samples)),
+      str_key("train.out_dir", {}, t(&T::out_dir)),
+      int_key("train.max_seconds", 0, kInf, t(&T::max_seconds)),
+
+      int_key("parallel.tp", 1, 4096, p(&P::tp)),
+      int_key("parallel.cp", 1, 4096, p(&P::cp)),
+      int_key("parallel.ep", 1, 4096, p(&P::ep)),
+      int_key("parallel.dp", 1, 1 << 20, p(&P::dp)),
+      int_key("parallel.pp", 1, 4096, p(&P::pp)),
+      str_key("parallel.order", {}, p(&P::order)),  // permutation checked in validate_config
+      bool_key("parallel.sequence_parallel", p(&P::sequence_parallel)),
+      bool_key("parallel.zero1", p(&P::zero1)),
+      int_key("parallel.virtual_stages", 1, 1024, p(&P::virtual_stages)),
+      str_key("parallel.schedule", {"1f1b", "interleaved", "gpipe"}, p(&P::schedule)),
+  };
+  return rows;
+}
+
+const KeyDef* find_key(const std::string& name) {
+  for (const auto& k : schema())
+    if (name == k.name) return &k;
+  return nullptr;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string unknown_key_message(const std::string& key, const std::string& where) {
+  std::string msg = fmt::format("unknown config key '{}' in {}", key, where);
+  const KeyDef* best = nullptr;
+  size_t best_d = 3;
+  for (const auto& k : schema()) {
+    size_t dist = edit_distance(key, k.name);
+    if (dist < best_d) best_d = dist, best = &k;
+  }
+  // Also catch a right leaf under the wrong section (`train.seq_len` -> `data.seq_len`).
+  if (!best) {
+    const std::string leaf = key.substr(key.rfind('.') + 1);
+    for (const auto& k : schema()) {
+      std::string kn = k.name;
+      if (kn.substr(kn.rfind('.') + 1) == leaf) {
+        best = &k;
+        break;
+      }
+    }
+  }
+  if (best) msg += fmt::format(" (did you mean '{}'?)", best->name);
+  return msg;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Flattening YAML into (dotted key, scalar text, location) entries
+// ---------------------------------------------------------------------------------------------------
+
+struct Entry {
+  std::string key;
+  std::string value;  // scalar text as YAML wrote it (quotes removed)
+  bool is_null = false;
+  std::string where;  // "file:line" or "override 'a=b'"
+};
+
+std::string where_of(const std::string& source, const YAML::Node& n) {
+  const YAML::Mark m = n.Mark();
+  if (m.is_null()) return source;
+  return fmt::format("{}:{}", source, m.line + 1);
+}
+
+Status flatten(const YAML::Node& node, const std::string& prefix, const std::string& source,
+               std::vector<Entry>& out) {
+  for (const auto& kv : node) {  // (not it->first: yaml-cpp's iterator proxy trips -Wdangling-pointer)
+    if (!kv.first.IsScalar())
+      return Status::error(fmt::format("config keys must be plain names ({})", where_of(source, kv.first)));
+    const std::string key = prefix.empty() ? kv.first.Scalar() : prefix + "." + kv.first.Scalar();
+    const YAML::Node& v = kv.second;
+    if (v.IsMap()) {
+      // A mapping under a leaf key is a type error, under an unknown name it is an unknown key.
+      if (find_key(key))
+        return Status::error(fmt::format("config key '{}' expects a single value, got a mapping ({})", key,
+                                         where_of(source, v)));
+      Status st = flatten(v, key, source, out);
+      if (!st) return st;
+    } else if (v.IsSequence()) {
+      if (!find_key(key)) return Status::error(unknown_key_message(key, where_of(source, kv.first)));
+      return Status::error(
+          fmt::format("config key '{}' expects a single value, got a list ({})", key, where_of(source, v)));
+    } else {
+      out.push_back(Entry{key, v.IsNull() ? "" : v.Scalar(), v.IsNull(), where_of(source, kv.first)});
+    }
+  }
+  return Status::ok();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Scalar conversion
+// ---------------------------------------------------------------------------------------------------
+
+std::string lower(std::string s) {
+  for (auto& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return s;
+}
+
+std::optional<double> parse_double(const std::string& s) {
+  if (s.empty()) return std::nullopt;
+  const std::string l = lower(s);
+  if (l == ".inf" || l == "+.inf" || l == "-.inf" || l == ".nan") return std::nullopt;  // never meaningful
+  char* end = nullptr;
+  errno = 0;
+  double v = std::strtod(s.c_str(), &end);
+  if (end != s.c_str() + s.size() || errno == ERANGE || !std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
+std::optional<int64_t> parse_int(const std::string& s) {
+  int64_t v = 0;
+  const char* b = s.data();
+  const char* e = s.data() + s.size();
+  if (b != e && *b == '+') ++b;
+  auto [ptr, ec] = std::from_chars(b, e, v);
+  if (ec == std::errc() && ptr == e && b != e) return v;
+  // Accept integral floats like `1e6` (handy for steps / token counts).
+  if (auto d = parse_double(s); d && std::floor(*d) == *d && std::fabs(*d) < 9.0e15)
+    return static_cast<int64_t>(*d);
+  return std::nullopt;
+}
+
+std::optional<bool> parse_bool(const std::string& s) {
+  const std::string l = lower(s);
+  if (l == "true" || l == "yes" || l == "on" || l == "1") return true;
+  if (l == "false" || l == "no" || l == "off" || l == "0") return false;
+  return std::nullopt;
+}
+
+std::string fmt_num(double v) {
+  if (std::floor(v) == v && std::fabs(v) < 1e15) return fmt::format("{}", static_cast<int64_t>(v));
+  return fmt::format("{}", v);
+}
+
+Status range_check(const KeyDef& k, double v, const std::string& text, const std::string& where) {
+  if (v < k.lo)
+    return Status::error(
+        fmt::format("config key '{}' must be >= {}, got {} ({})", k.name, fmt_num(k.lo), text, where));
+  if (v > k.hi)
+    return Status::error(
+        fmt::format("config key '{}' must be <= {}, got {} ({})", k.name, fmt_num(k.hi), text, where));
+  return Status::ok();
+}
+
+Status apply_entry(Config& c, const Entry& e) {
+  const KeyDef* k = find_key(e.key);
+  if (!k) return Status::error(unknown_key_message(e.key, e.where));
+  FieldRef ref = k->field(c);
+  auto type_error = [&](const char* what) {
+    return Status::error(
+        fmt::format("config key '{}' expects {}, got '{}' ({})", e.key, what, e.value, e.where));
+  };
+  switch (k->kind) {
+    case Kind::Int: {
+      std::optional<int64_t> v = parse_int(e.value);
+      // tie_embeddings is an int (-1 = style default) but reads naturally as a bool too.
+      if (!v && k->lo >= -1 && k->hi <= 1)
+        if (auto b = parse_bool(e.value)) v = *b ? 1 : 0;
+      if (e.is_null || !v) return type_error("an integer");
+      Status st = range_check(*k, static_cast<double>(*v), e.value, e.where);
+      if (!st) return st;
+      if (auto* p = std::get_if<int64_t*>(&ref))
+        **p = *v;
+      else
+        *std::get<int*>(ref) = static_cast<int>(*v);
+      return Status::ok();
+    }
+    case Kind::Float: {
+      std::optional<double> v = parse_double(e.value);
+      if (e.is_null || !v) return type_error("a number");
+      Status st = range_check(*k, *v, e.value, e.where);
+      if (!st) return st;
+      *std::get<double*>(ref) = *v;
+      return Status::ok();
+    }
+    case Kind::Bool: {
+      std::optional<bool> v = parse_bool(e.value);
+      if (e.is_null || !v) return type_error("true or false");
+      *std::get<bool*>(ref) = *v;
+      return Status::ok();
+    }
+    case Kind::String: {
+      if (!k->choices.empty() &&
+          std::find(k->choices.begin(), k->choices.end(), e.value) == k->choices.end()) {
+        std::string all;
+        for (const auto& ch : k->choices) all += (all.empty() ? "" : ", ") + ch;
+        return Status::error(
+            fmt::format("config key '{}' must be one of {}, got '{}' ({})", e.key, all, e.value, e.where));
+      }
+      *std::get<std::string*>(ref) = e.value;
+      return Status::ok();
+    }
+  }
+  return Status::ok();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Files and presets
+// ---------------------------------------------------------------------------------------------------
+
+// configs/ directories to search for `preset: NAME`, after the including file's own directory.
+std::vector<fs::path> preset_dirs() {
+  std::vector<fs::path> dirs;
+#ifdef NDT_SOURCE_DIR
+  dirs.push_back(fs::path(NDT_SOURCE_DIR) / "configs");
+#else
+  // The library is built without NDT_SOURCE_DIR; this file's absolute path locates the repo instead
+  // (src/train/config.cpp -> repo root). Only a fallback: a relocated binary still has ./configs.
+  fs::path self(__FILE__);
+  if (self.is_absolute()) dirs.push_back(self.parent_path().parent_path().parent_path() / "configs");
+#endif
+  dirs.push_back(fs::path("configs"));
+  return dirs;
+}
+
+Result<fs::path> resolve_preset(const std::string& name, const fs::path& including_dir,
+                                const std::string& where) {
+  std::vector<fs::path> candidates;
+  const bool is_path =
+      name.find('/') != std::string::npos || name.ends_with(".yaml") || name.ends_with(".yml");
+  if (is_path) {
+    fs::path p(name);
+    candidates.push_back(p.is_absolute() ? p : including_dir / p);
+  } else {
+    candidates.push_back(including_dir / (name + ".yaml"));
+    for (const auto& d : preset_dirs()) candidates.push_back(d / (name + ".yaml"));
+  }
+  std::string tried;
+  for (const auto& c : candidates) {
+    std::error_code ec;
+    if (fs::is_regular_file(c, ec)) return c;
+    tried += (tried.empty() ? "" : ", ") + c.string();
+  }
+  return Status::error(fmt::format("preset '{}' ({}) not found; looked in {}", name, where, tried));
+}
+
+Result<YAML::Node> parse_yaml(const std::string& text, const std::string& source) {
+  try {
+    return YAML::Load(text);
+  } catch (const YAML::Exception& ex) {
+    // ex.mark is 0-based; ex.msg is the message without yaml-cpp's own "yaml-cpp: error at" prefix.
+    if (!ex.mark.is_null())
+      return Status::error(fmt::format("YAML syntax error in {} at line {}, column {}: {}", source,
+                                       ex.mark.line + 1, ex.mark.column + 1, ex.msg));
+    return Status::error(fmt::format("YAML syntax error in {}: {}", source, ex.msg));
+  }
+}
+
+// Collects the entries of one YAML document (with its preset chain first). `stack` holds the files being
+// loaded, for cycle detection.
+Status collect(const std::string& text, const std::string& source, const fs::path& dir,
+               std::vector<fs::path>& stack, std::vector<Entry>& out) {
+  auto node = parse_yaml(text, source);
+  if (!node) return node.status();
+  const YAML::Node& root = node.value();
+  if (root.IsNull()) return Status::ok();  // empty file: all defaults
+  if (!root.IsMap())
+    return Status::error(fmt::format("config {} must be a mapping of keys to values", source));
+
+  // The preset is applied first wherever `preset:` is written, so the file's own keys always win.
+  if (const YAML::Node pn = root["preset"]) {
+    if (!pn.IsScalar())
+      return Status::error(
+          fmt::format("config key 'preset' expects a preset name ({})", where_of(source, pn)));
+    const std::string where = where_of(source, pn);
+    auto path = resolve_preset(pn.Scalar(), dir, where);
+    if (!path) return path.status();
+    std::error_code ec;
+    fs::path canon = fs::weakly_canonical(path.value(), ec);
+    if (ec) canon = path.value();
+    if (std::find(stack.begin(), stack.end(), canon) != stack.end()) {
+      std::string chain;
+      for (const auto& s : stack) chain += s.string() + " -> ";
+      return Status::error(fmt::format("preset cycle ({}): {}{}", where, chain, canon.string()));
+    }
+    std::ifstream in(path.value(), std::ios::binary);
+    if (!in)
+      return Status::error(fmt::format("cannot read preset file '{}' ({})", path.value().string(), where));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    stack.push_back(canon);
+    Status st = collect(ss.str(), path.value().string(), path.value().parent_path(), stack, out);
+    stack.pop_back();
+    if (!st) return st;
+  }
+  std::vector<Entry> own;
+  Status st = flatten(root, "", source, own);
+  if (!st) return st;
+  std::erase_if(own, [](const Entry& e) { return e.key == "preset"; });
+  out.insert(out.end(), own.begin(), own.end());
+  return Status::ok();
+}
+
+Result<Entry> parse_override(const std::string& ov) {
+  const auto eq = ov.find('=');
+  if (eq == std::string::npos)
+    return Status::error(fmt::format("override '{}' must look like key=value (e.g. train.lr=3e-4)", ov));
+  auto trim = [](std::string s) {
+    const auto b = s.find_first_not_of(" \t");
+    const auto e = s.find_last_not_of(" \t");
+    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+  };
+  Entry e;
+  e.key = trim(ov.substr(0, eq));
+  e.where = fmt::format("override '{}'", ov);
+  const std::string raw = trim(ov.substr(eq + 1));
+  if (e.key.empty()) return Status::error(fmt::format("override '{}' has an empty key", ov));
+  // String keys take the text literally unless it is quoted (paths may contain ': ' or ' #'); other
+  // keys read it as a YAML scalar, as in a file.
+  const KeyDef* k = find_key(e.key);
+  if (k && k->kind == Kind::String && (raw.empty() || (raw[0] != '"' && raw[0] != '\''))) {
+    e.value = raw;
+    return e;
+  }
+  try {
+    YAML::Node n = YAML::Load(raw);
+    if (n.IsMap() || n.IsSequence())
+      return Status::error(
+          fmt::format("config key '{}' expects a single value, got '{}' ({})", e.key, raw, e.where));
+    e.is_null = n.IsNull() && raw.empty();
+    e.value = n.IsNull() ? raw : n.Scalar();
+  } catch (const YAML::Exception&) {
+    e.value = raw;  // not valid YAML: take the text literally, the type check will judge it
+  }
+  return e;
+}
+
+Result<Config> build(const std::string& text, const std::string& source, const fs::path& dir,
+                     std::vector<fs::path> stack, const std::vector<std::string>& overrides) {
+  std::vector<Entry> entries;
+  Status st = collect(text, source, dir, stack, entries);
+  if (!st) return st;
+  for (const auto& ov : overrides) {
+    auto e = parse_override(ov);
+    if (!e) return e.status();
+    entries.push_back(std::move(e).value());
+  }
+  Config c;
+  c.source = source;
+  for (const auto& e : entries) {
+    st = apply_entry(c, e);
+    if (!st) return st;
+  }
+  st = validate_config(c);
+  if (!st) return Status::error(st.message() + fmt::format(" ({})", source));
+  return c;
+}
+
+template <typename... A>
+Status errf(fmt::format_string<A...> f, A&&... args) {
+  return Status::error(fmt::format(f, std::forward<A>(args)...));
+}
+
+std::string quote(const std::string& s) {
+  // JSON-style double quoting is valid YAML and survives any characters.
+  std::string out = "\"";
+  for (char ch : s) {
+    switch (ch) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      default:
+        if (static_cast<unsigned char>(ch) < 0x20)
+          out += fmt::format("\\x{:02x}", static_cast<unsigned>(static_cast<unsigned char>(ch)));
+        else
+          out += ch;
+    }
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// Public API
+// ---------------------------------------------------------------------------------------------------
+
+Result<Config> load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return Status::error(fmt::format("config file '{}' not found", path));
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::error(fmt::format("cannot read config file '{}'", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  fs::path canon = fs::weakly_canonical(path, ec);
+  if (ec) canon = path;
+  return build(ss.str(), path, fs::path(path).parent_path(), {canon}, overrides);
+}
+
+Result<Config> parse_config_string(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                                   const std::string& source_name) {
+  return build(yaml_text, source_name, fs::current_path(), {}, overrides);
+}
+
+Status validate_config(const Config& c) {
+  const ModelConfig& m = c.model;
+  const DataConfig& d = c.data;
+  const TrainConfig& t = c.train;
+  const ParallelConfig& p = c.parallel;
+
+  // Single-key checks repeated here because a Config can also be built in code, not only parsed.
+  if (m.style != "gpt2" && m.style != "llama")
+    return errf("model.style must be gpt2 or llama, got '{}'", m.style);
+  if (m.vocab_size < 1) return errf("model.vocab_size must be >= 1, got {}", m.vocab_size);
+  if (m.d_model < 1 || m.n_layers < 1 || m.n_heads < 1)
+    return errf("model.d_model, model.n_layers and model.n_heads must be >= 1, got {}, {}, {}", m.d_model,
+                m.n_layers, m.n_heads);
+  if (m.n_kv_heads < 0) return errf("model.n_kv_heads must be >= 0, got {}", m.n_kv_heads);
+  if (m.d_ff < 0) return errf("model.d_ff must be >= 0, got {}", m.d_ff);
+  if (m.tie_embeddings < -1 || m.tie_embeddings > 1)
+    return errf("model.tie_embeddings must be -1, 0 or 1, got {}", m.tie_embeddings);
+
+  if (m.d_model % m.n_heads != 0)
+    return errf("model.d_model ({}) must be divisible by model.n_heads ({})", m.d_model, m.n_heads);
+  if (m.n_heads % m.kv_heads() != 0)
+    return errf("model.n_heads ({}) must be divisible by model.n_kv_heads ({})", m.n_heads, m.kv_heads());
+  if (m.style == "gpt2" && m.n_kv_heads != 0 && m.n_kv_heads != m.n_heads)
+    return errf("model.n_kv_heads ({}) must be 0 or model.n_heads ({}) for style gpt2 (no GQA)", m.n_kv_heads,
+                m.n_heads);
+  if (m.style == "llama" && m.head_dim() % 2 != 0)
+    return errf("model.d_model / model.n_heads = {} must be even for style llama (RoPE rotates pairs)",
+                m.head_dim());
+  if (d.seq_len > m.max_seq_len)
+    return errf("data.seq_len ({}) must be <= model.max_seq_len ({})", d.seq_len, m.max_seq_len);
+
+  if (d.task != "addition" && d.task != "lm" && d.task != "shards" && d.task != "sft")
+    return errf("data.task must be one of addition, lm, shards, sft, got '{}'", d.task);
+  if ((d.task == "shards" || d.task == "sft") && d.path.empty())
+    return errf("data.path is required for data.task {}", d.task);
+  if (d.tokenizer.empty())
+    return errf("data.tokenizer must be 'byte' or a SentencePiece .model path, got ''");
+
+  if (!(t.lr > 0)) return errf("train.lr must be > 0, got {}", t.lr);
+  if (t.min_lr < 0 || t.min_lr > t.lr)
+    return errf("train.min_lr ({}) must be in [0, train.lr = {}]", t.min_lr, t.lr);
+  if (t.warmup_steps > t.steps)
+    return errf("train.warmup_steps ({}) must be <= train.steps ({})", t.warmup_steps, t.steps);
+  if (t.global_batch < 1) return errf("train.global_batch must be >= 1, got {}", t.global_batch);
+  if (t.micro_batch < 0) return errf("train.micro_batch must be >= 0, got {}", t.micro_batch);
+
+  for (auto [name, v] : {std::pair{"tp", p.tp},
+                         {"cp", p.cp},
+                         {"ep", p.ep},
+                         {"dp", p.dp},
+                         {"pp", p.pp},
+                         {"virtual_stages", p.virtual_stages}})
+    if (v < 1) return errf("parallel.{} must be >= 1, got {}", name, v);
+  if (t.global_batch % p.dp != 0)
+    return errf("train.global_batch ({}) must be divisible by parallel.dp ({})", t.global_batch, p.dp);
+  if (t.micro_batch > 0 && t.global_batch % (p.dp * t.micro_batch) != 0)
+    return errf("train.global_batch ({}) must be divisible by parallel.dp * train.micro_batch ({} * {} = {})",
+                t.global_batch, p.dp, t.micro_batch, p.dp * t.micro_batch);
+  if (p.schedule != "1f1b" && p.schedule != "interleaved" && p.schedule != "gpipe")
+    return errf("parallel.schedule must be one of 1f1b, interleaved, gpipe, got '{}'", p.schedule);
+  // Virtual stages only mean something to the interleaved schedule; silently ignoring them would hide
+  // a config mistake.
+  if (p.virtual_stages > 1 && p.schedule != "interleaved")
+    return errf("parallel.virtual_stages ({}) > 1 requires parallel.schedule interleaved, got '{}'",
+                p.virtual_stages, p.schedule);
+
+  {
+    std::vector<std::string> axes;
+    std::stringstream ss(p.order);
+    for (std::string a; std::getline(ss, a, '-');) axes.push_back(a);
+    std::vector<std::string> sorted = axes;
+    std::sort(sorted.begin(), sorted.end());
+    const std::vector<std::string> want = {"cp", "dp", "ep", "pp", "tp"};
+    if (sorted != want)
+      return errf("parallel.order must be a '-'-separated permutation of tp, cp, ep, dp, pp, got '{}'",
+                  p.order);
+  }
+  return Status::ok();
+}
+
+std::string config_to_yaml(const Config& c) {
+  Config copy = c;  // the schema hands out mutable refs; read through a copy
+  std::string out =
+      fmt::format("# effective config (source: {})\n", c.source.empty() ? "<defaults>" : c.source);
+  std::string section;
+  for (const auto& k : schema()) {
+    const std::string name = k.name;
+    const auto dot = name.find('.');
+    const std::string sec = name.substr(0, dot), leaf = name.substr(dot + 1);
+    if (sec != section) {
+      out += sec + ":\n";
+      section = sec;
+    }
+    std::string value;
+    FieldRef ref = k.field(copy);
+    std::visit(
+        [&](auto* p) {
+          using V = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<V, std::string>)
+            value = quote(*p);
+          else if constexpr (std::is_same_v<V, bool>)
+            value = *p ? "true" : "false";
+          else if constexpr (std::is_same_v<V, double>) {
+            value = fmt::format("{}", *p);  // shortest representation that round-trips
+            // "1e-05" -> "1.0e-05": YAML 1.1 readers (PyYAML) need a '.' to see a float.
+            const auto e = value.find('e');
+            if (e != std::string::npos && value.find('.') == std::string::npos)
+              value = value.substr(0, e) + ".0" + value.substr(e);
+          } else
+            value = fmt::format("{}", *p);
+        },
+        ref);
+    std::string note;
+    if (name == "model.n_kv_heads" && c.model.n_kv_heads == 0)
+      note = fmt::format("  # = {}", c.model.kv_heads());
+    if (name == "model.d_ff" && c.model.d_ff == 0) note = fmt::format("  # = {}", c.model.ffn_dim());
+    if (name == "model.tie_embeddings" && c.model.tie_embeddings < 0)
+      note = fmt::format("  # = {}", c.model.tied() ? "tied" : "untied");
+    if (name == "train.micro_batch" && c.train.micro_batch == 0 && c.parallel.dp > 0)
+      note = fmt::format("  # = {}", c.train.global_batch / c.parallel.dp);
+    out += fmt::format("  {}: {}{}\n", leaf, value, note);
+  }
+  return out;
+}
+
+}  // namespace ndt

@@ -1,0 +1,92 @@
+#pragma once
+// The run configuration: YAML file + `--set key=value` overrides, validated into typed structs.
+// Every key has a type and a range; unknown keys, wrong types and out-of-range values are errors that
+// name the key (and the file). Keys are dotted paths: `model.n_layers`, `train.lr`, ...
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ndt {
+
+struct ModelConfig {
+  std::string style = "llama";  // "gpt2" (LayerNorm, learned positions, GELU, tied embeddings, biases)
+                                // or "llama" (RMSNorm, RoPE, GQA, SwiGLU, untied, no biases)
+  int64_t vocab_size = 320;     // model vocabulary (>= tokenizer vocab; padded for TP divisibility)
+  int64_t d_model = 128;        // C
+  int64_t n_layers = 2;         // L
+  int64_t n_heads = 4;          // H
+  int64_t n_kv_heads = 0;       // KV; 0 means = n_heads
+  int64_t d_ff = 0;             // MLP hidden; 0 means 4*C (gpt2) or the Llama rule 8C/3 rounded up to 32
+  int64_t max_seq_len = 256;    // learned-position table size (gpt2) and the longest sequence accepted
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  int tie_embeddings = -1;      // -1: style default (gpt2 tied, llama untied); 0/1 force
+  double init_std = 0.02;
+  // Derived, filled by finalize(): head_dim, effective kv heads / d_ff / tying.
+  int64_t head_dim() const { return d_model / n_heads; }
+  int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
+  int64_t ffn_dim() const;
+  bool tied() const { return tie_embeddings < 0 ? style == "gpt2" : tie_embeddings != 0; }
+  bool is_gpt2() const { return style == "gpt2"; }
+};
+
+struct DataConfig {
+  std::string task = "addition";  // "addition" | "lm" (embedded synthetic), "shards", "sft"
+  std::string path;               // shards: file or directory of .bin shards; sft: a .jsonl file
+  std::string val_path;           // optional held-out data for validation loss (shards/sft)
+  std::string tokenizer = "byte"; // "byte" or a path to a SentencePiece .model file
+  int64_t seq_len = 64;           // tokens per sample (after which samples are cut / padded)
+  int64_t addition_digits = 3;    // addition task: operands have 1..addition_digits digits
+  int64_t seed = 1234;            // data order / generation seed (independent of the init seed)
+};
+
+struct TrainConfig {
+  int64_t seed = 42;              // parameter init seed
+  int64_t steps = 1000;
+  int64_t global_batch = 32;      // samples per optimizer step, over all DP ranks and microbatches
+  int64_t micro_batch = 0;        // samples per microbatch per DP rank; 0 = global_batch / dp
+  double lr = 1e-3;
+  double min_lr = 1e-4;           // cosine floor
+  int64_t warmup_steps = 50;
+  double beta1 = 0.9, beta2 = 0.95, adam_eps = 1e-8;
+  double weight_decay = 0.1;      // applied to matrices only (not norms, biases)
+  double grad_clip = 1.0;         // global norm; 0 disables
+  int64_t log_every = 10;
+  int64_t eval_every = 0;         // 0: only at the end
+  int64_t eval_samples = 200;     // held-out problems for exact-match / validation loss
+  std::string out_dir = "runs/default";  // metrics.jsonl, loss.svg, model.safetensors
+  int64_t max_seconds = 0;        // stop early after this wall time (0 = no limit)
+};
+
+struct ParallelConfig {
+  int64_t tp = 1, cp = 1, ep = 1, dp = 1, pp = 1;
+  std::string order = "tp-cp-ep-dp-pp";  // innermost first
+  bool sequence_parallel = false;
+  bool zero1 = false;
+  int64_t virtual_stages = 1;
+  std::string schedule = "1f1b";
+};
+
+struct Config {
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+  ParallelConfig parallel;
+  std::string source;  // where it came from (file path or "<defaults>"), for messages
+};
+
+// Parse a YAML file, then apply overrides of the form "a.b=value" (value parsed as YAML scalar).
+// A config may say `preset: NAME` to start from configs/NAME.yaml (resolved next to the file, then in
+// the repo's configs/ directory); its own keys override the preset's.
+Result<Config> load_config(const std::string& path, const std::vector<std::string>& overrides);
+Result<Config> parse_config_string(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                                   const std::string& source_name = "<string>");
+// Cross-field checks (d_model % n_heads, n_heads % kv_heads, seq_len <= max_seq_len, batch divides,
+// vocab >= tokenizer vocab is checked later by whoever knows the tokenizer). Called by the parsers.
+Status validate_config(const Config& c);
+// Round-trips the effective config (for logs and checkpoints).
+std::string config_to_yaml(const Config& c);
+
+}  // namespace ndt

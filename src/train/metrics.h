@@ -1,0 +1,52 @@
+#pragma once
+// Run outputs a person reads: metrics.jsonl (one JSON object per line), an SVG loss curve, and
+// human-friendly number formatting for log lines. All file functions are rank-0 business: callers decide
+// who writes; nothing here is collective.
+#include <cstdint>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ndt {
+
+// Appends one JSON object per line to `<out_dir>/metrics.jsonl`. Each line is flushed when written, so
+// the file is complete up to the last finished record even if the run dies. Non-finite numbers (NaN,
+// inf) are written as null (JSON has no NaN). Not thread-safe.
+class MetricsWriter {
+ public:
+  // Creates out_dir (and parents). append=false starts a fresh file (truncates an old one);
+  // append=true continues it (resumed runs).
+  static Result<MetricsWriter> open(const std::string& out_dir, bool append = false);
+
+  // Writes `record` (must be a JSON object) as one line.
+  Status write(const nlohmann::json& record);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+// Reads a metrics.jsonl back (for plotting and tests). Fails naming the file and line on bad JSON.
+Result<std::vector<nlohmann::json>> read_metrics_jsonl(const std::string& path);
+// The (step, value) pairs of records that carry both `step` and a numeric `key`.
+std::vector<std::pair<int64_t, double>> metric_series(const std::vector<nlohmann::json>& records,
+                                                      const std::string& key);
+
+// A self-contained SVG loss curve: axes with tick labels, a legend, the training loss as a line and
+// the validation loss (usually sparse) as a line with markers. Either series may be empty; non-finite
+// points are skipped. log_y plots the loss on a log10 axis (all values must be > 0, others skipped).
+Status write_loss_svg(const std::vector<std::pair<int64_t, double>>& train_loss,
+                      const std::vector<std::pair<int64_t, double>>& val_loss, const std::string& path,
+                      const std::string& title, bool log_y = false);
+
+// 0.42 -> "0.42s", 12.3 -> "12.3s", 83 -> "1m23s", 3725 -> "1h02m", 90000 -> "1d01h".
+std::string format_duration(double seconds);
+// Three significant digits with a k/M/G/T suffix: 999 -> "999", 12345 -> "12.3k", 1.5e9 -> "1.50G".
+std::string format_count(double value);
+
+}  // namespace ndt

@@ -1,0 +1,93 @@
+#include "train/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "ops/cpu_ops.h"
+
+namespace ndt {
+namespace {
+
+constexpr int64_t kBucketElems = int64_t{1} << 22;  // 16 MiB of fp32 per all-reduce
+
+bool active(const Communicator* c) { return c != nullptr && c->size() > 1; }
+
+}  // namespace
+
+Optimizer::Optimizer(ParamStore& params, const TrainConfig& cfg, OptimizerComms comms)
+    : params_(params), cfg_(cfg), c_(comms) {
+  const int64_t n = params_.flat_grads().numel();
+  NDT_CHECK(n > 0, "optimizer needs a flattened parameter store");
+  if (c_.zero1 && active(c_.dp)) {
+    const int64_t dp = c_.dp->size();
+    NDT_CHECK(n % dp == 0, "flat buffer of {} elements not aligned to dp={}", n, dp);
+    own_begin_ = n / dp * c_.dp->rank();
+    own_end_ = own_begin_ + n / dp;
+    shard_grad_ = Tensor::zeros({n / dp});
+  } else {
+    own_begin_ = 0;
+    own_end_ = n;
+  }
+  m_ = Tensor::zeros({own_end_ - own_begin_});
+  v_ = Tensor::zeros({own_end_ - own_begin_});
+}
+
+double Optimizer::reduce_and_clip(double clip) {
+  Tensor& flat = params_.flat_grads();
+  const int64_t n = flat.numel();
+  const bool tp_active = active(c_.tp);
+  if (c_.sequence_parallel && tp_active) {
+    for (auto& p : params_.all())
+      if (p->tp_replicated) c_.tp->all_reduce(p->grad.data_ptr(), p->numel(), DType::F32, ReduceOp::Sum);
+  }
+  // The range whose reduced gradient this rank holds after DP reduction.
+  float* g = flat.f32() + own_begin_;
+  if (active(c_.dp)) {
+    if (c_.zero1) {
+      c_.dp->reduce_scatter(flat.f32(), shard_grad_.f32(), n / c_.dp->size(), DType::F32, ReduceOp::Sum);
+      g = shard_grad_.f32();
+    } else {
+      for (int64_t b = 0; b < n; b += kBucketElems)
+        c_.dp->all_reduce(flat.f32() + b, std::min(kBucketElems, n - b), DType::F32, ReduceOp::Sum);
+    }
+  }
+  // Sum of squares: elements of TP-replicated params count on TP rank 0 only.
+  double ss = 0;
+  for (auto& p : params_.all()) {
+    if (p->tp_replicated && tp_active && c_.tp->rank() != 0) continue;
+    const int64_t b = std::max(params_.offset_of(*p), own_begin_);
+    const int64_t e = std::min(params_.offset_of(*p) + p->numel(), own_end_);
+    if (b < e) ss += cpu::sum_squares(g + (b - own_begin_), e - b);
+  }
+  if (c_.zero1 && active(c_.dp)) c_.dp->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
+  if (tp_active) c_.tp->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
+  if (active(c_.norm_extra)) c_.norm_extra->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
+  const double norm = std::sqrt(ss);
+  if (clip > 0 && norm > clip) cpu::scale_inplace(g, static_cast<float>(clip / (norm + 1e-6)), own_end_ - own_begin_);
+  return norm;
+}
+
+void Optimizer::step(double lr) {
+  ++step_;
+  float* g = (c_.zero1 && active(c_.dp)) ? shard_grad_.f32() : params_.flat_grads().f32() + own_begin_;
+  float* w = params_.flat_values().f32();
+  for (auto& p : params_.all()) {
+    const int64_t off = params_.offset_of(*p);
+    const int64_t b = std::max(off, own_begin_), e = std::min(off + p->numel(), own_end_);
+    if (b >= e) continue;
+    const int64_t s = b - own_begin_;
+    cpu::adamw_update(w + b, g + s, m_.f32() + s, v_.f32() + s, e - b, static_cast<float>(lr),
+                      static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2),
+                      static_cast<float>(cfg_.adam_eps), p->weight_decay ? static_cast<float>(cfg_.weight_decay) : 0.f,
+                      step_);
+  }
+  if (c_.zero1 && active(c_.dp)) {
+    // All-gather the updated shards into every rank's full parameter buffer.
+    const int64_t shard = own_end_ - own_begin_;
+    Tensor mine = Tensor::empty({shard});
+    std::memcpy(mine.f32(), w + own_begin_, static_cast<size_t>(shard) * sizeof(float));
+    c_.dp->all_gather(mine.f32(), w, shard, DType::F32);
+  }
+}
+
+}  // namespace ndt

@@ -1,0 +1,51 @@
+#pragma once
+// AdamW over a ParamStore's flat buffers, with optional ZeRO-1 (optimizer state sharded over DP).
+//
+// Gradient flow of one step (grads hold the local sum over microbatches, already scaled by 1/N):
+//   1. sync_tp_replicated: under sequence parallelism, replicated params' grads are TP partial sums.
+//   2. plain DP: all-reduce grads over DP (in buckets).     ZeRO-1: reduce-scatter grads over DP.
+//   3. global grad norm over all shards (TP-replicated params counted once), clip.
+//   4. AdamW on what this rank owns; ZeRO-1 all-gathers the updated parameters.
+// fp32 on CPU: the parameters are the master weights.
+#include <memory>
+
+#include "dist/communicator.h"
+#include "model/params.h"
+#include "train/config.h"
+
+namespace ndt {
+
+struct OptimizerComms {
+  Communicator* dp = nullptr;        // ranks holding replicas of the same parameters (DP x CP)
+  Communicator* tp = nullptr;        // tensor-parallel group (null or size 1: none)
+  Communicator* norm_extra = nullptr;  // further groups the grad norm sums over (pipeline stages)
+  bool sequence_parallel = false;
+  bool zero1 = false;
+};
+
+class Optimizer {
+ public:
+  // The store must be flattened with align = dp size when zero1 is set.
+  Optimizer(ParamStore& params, const TrainConfig& cfg, OptimizerComms comms);
+  // Steps 1-3 above; returns the global gradient norm before clipping.
+  double reduce_and_clip(double clip);
+  // Step 4 with learning rate lr.
+  void step(double lr);
+  int64_t steps_taken() const { return step_; }
+  // Optimizer state for checkpoints: (m, v) over the owned range of the flat buffer.
+  Tensor& exp_avg() { return m_; }
+  Tensor& exp_avg_sq() { return v_; }
+  int64_t owned_begin() const { return own_begin_; }
+  int64_t owned_end() const { return own_end_; }
+
+ private:
+  ParamStore& params_;
+  TrainConfig cfg_;
+  OptimizerComms c_;
+  int64_t own_begin_ = 0, own_end_ = 0;  // range of the flat buffer this rank updates
+  Tensor m_, v_;                          // (own_end - own_begin)
+  Tensor shard_grad_;                     // ZeRO-1: reduced grad of the owned range
+  int64_t step_ = 0;
+};
+
+}  // namespace ndt

@@ -1,0 +1,93 @@
+#include "train/trainer.h"
+
+#include <chrono>
+
+#include "data/synthetic.h"
+#include "train/evaluate.h"
+#include "train/schedule.h"
+
+namespace ndt {
+
+Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const Dataset& train, const Dataset* val)
+    : cfg_(cfg), c_(comms), tok_(tok), train_(train), val_(val) {
+  if (!c_.world || !c_.dp || !c_.tp) self_ = make_self_communicator();
+  if (!c_.world) c_.world = self_.get();
+  if (!c_.dp) c_.dp = self_.get();
+  if (!c_.tp) c_.tp = self_.get();
+  NDT_CHECK(tok_.vocab_size() <= cfg_.model.vocab_size, "tokenizer {} has {} tokens but model.vocab_size is {}",
+            tok_.name(), tok_.vocab_size(), cfg_.model.vocab_size);
+  model_ = std::make_unique<Transformer>(cfg_.model, StageSpec{}, c_.tp_hooks);
+  model_->params().flatten(c_.dp->size());
+  model_->params().init(static_cast<uint64_t>(cfg_.train.seed));
+  OptimizerComms oc;
+  oc.dp = c_.dp;
+  oc.tp = c_.tp;
+  oc.sequence_parallel = cfg_.parallel.sequence_parallel;
+  oc.zero1 = cfg_.parallel.zero1;
+  opt_ = std::make_unique<Optimizer>(model_->params(), cfg_.train, oc);
+}
+
+std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
+  const int64_t gb = cfg_.train.global_batch, dp = c_.dp->size();
+  const int64_t per_rank = gb / dp;
+  const int64_t mbs = cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : per_rank;
+  std::vector<Microbatch> out;
+  for (int64_t first = 0; first < per_rank; first += mbs) {
+    std::vector<Sample> samples;
+    for (int64_t i = first; i < std::min(per_rank, first + mbs); ++i) {
+      const int64_t j = c_.dp->rank() * per_rank + i;  // position in the global batch
+      samples.push_back(train_.get(sample_index(cfg_.data.seed, step, j, gb, train_.size())));
+    }
+    out.push_back(make_microbatch(samples, cfg_.data.seq_len, tok_.pad_id()));
+  }
+  return out;
+}
+
+StepStats Trainer::train_step(int64_t step) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<Microbatch> mbs = local_microbatches(step);
+  // Loss-bearing tokens of the whole global batch, known before any backward.
+  int64_t n_tokens = 0;
+  for (const auto& mb : mbs) n_tokens += mb.num_loss_tokens;
+  c_.dp->all_reduce(&n_tokens, 1, DType::I64, ReduceOp::Sum);
+  NDT_CHECK(n_tokens > 0, "step {}: the global batch has no loss-bearing tokens", step);
+  const float scale = 1.0f / static_cast<float>(n_tokens);
+
+  model_->params().zero_grad();
+  double loss_sum = 0;
+  for (const auto& mb : mbs) {
+    Activations acts;
+    model_->forward(mb, Tensor(), acts);
+    loss_sum += model_->loss_sum(mb, acts);
+    model_->backward(mb, Tensor(), scale, acts);
+  }
+  c_.dp->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);
+  StepStats st;
+  st.step = step;
+  st.loss = loss_sum / static_cast<double>(n_tokens);
+  st.tokens = n_tokens;
+  st.grad_norm = opt_->reduce_and_clip(cfg_.train.grad_clip);
+  st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);
+  opt_->step(st.lr);
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  history_.push_back(st);
+  return st;
+}
+
+EvalStats Trainer::evaluate() {
+  EvalStats ev;
+  const int64_t mult = cfg_.parallel.sequence_parallel ? c_.tp->size() : 1;
+  if (cfg_.data.task == "addition") {
+    auto problems = addition_eval_problems(cfg_.data.addition_digits, cfg_.data.seed, cfg_.train.eval_samples);
+    ev.problems = static_cast<int64_t>(problems.size());
+    ev.exact_match = exact_match(*model_, tok_, problems, cfg_.data.addition_digits + 2, *c_.dp, mult);
+  }
+  if (val_) {
+    ev.val_loss = validation_loss(*model_, *val_, cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
+                                  std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp, mult);
+  }
+  evals_.push_back(ev);
+  return ev;
+}
+
+}  // namespace ndt

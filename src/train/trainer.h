@@ -1,0 +1,71 @@
+#pragma once
+// The training loop: global batch -> this DP rank's share -> microbatches with gradient accumulation;
+// loss = sum of token losses / loss-bearing tokens of the WHOLE global batch, counted before the
+// step (DESIGN.md §1.2); warmup + cosine LR; AdamW (optionally ZeRO-1); global-norm clipping.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/dataset.h"
+#include "dist/communicator.h"
+#include "model/transformer.h"
+#include "train/config.h"
+#include "train/optimizer.h"
+
+namespace ndt {
+
+// The process groups a run uses (all may be one-rank communicators). Not owned.
+struct RunComms {
+  Communicator* world = nullptr;
+  Communicator* dp = nullptr;  // data-parallel replicas (gradients and token counts reduced here)
+  Communicator* tp = nullptr;
+  TpHooks* tp_hooks = nullptr;  // null: no tensor parallelism
+};
+
+struct StepStats {
+  int64_t step = 0;
+  double loss = 0;       // mean over loss-bearing tokens of the global batch
+  double grad_norm = 0;  // before clipping
+  double lr = 0;
+  int64_t tokens = 0;    // loss-bearing tokens in the global batch
+  double seconds = 0;
+};
+
+struct EvalStats {
+  double exact_match = -1;  // fraction of held-out problems solved (synthetic tasks with answers)
+  double val_loss = -1;     // mean token loss on held-out data
+  int64_t problems = 0;
+};
+
+class Trainer {
+ public:
+  Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const Dataset& train, const Dataset* val);
+  // One optimizer step; collective over all ranks.
+  StepStats train_step(int64_t step);
+  EvalStats evaluate();
+  // Full run with logging, metrics, loss curve and final weights (rank 0 writes files).
+  void run(std::function<void(const StepStats&)> on_step = nullptr);
+
+  Transformer& model() { return *model_; }
+  Optimizer& optimizer() { return *opt_; }
+  const std::vector<StepStats>& history() const { return history_; }
+  int64_t count_params() const;
+
+ private:
+  std::vector<Microbatch> local_microbatches(int64_t step) const;
+
+  Config cfg_;
+  RunComms c_;
+  std::unique_ptr<Communicator> self_;
+  const Tokenizer& tok_;
+  const Dataset& train_;
+  const Dataset* val_;
+  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<Optimizer> opt_;
+  std::vector<StepStats> history_;
+  std::vector<EvalStats> evals_;
+};
+
+}  // namespace ndt

@@ -1,0 +1,108 @@
+// Trainer::run: the loop with its progress line, metrics, evaluation and final outputs.
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "parallel/tp/gather_params.h"
+#include "train/metrics.h"
+#include "train/safetensors.h"
+#include "train/trainer.h"
+
+namespace ndt {
+namespace {
+
+void print_eval(const EvalStats& ev, int64_t step) {
+  std::string line = fmt::format("eval  step {:>5}", step);
+  if (ev.exact_match >= 0) line += fmt::format(" | exact match {:.1f}% of {} held-out problems", 100 * ev.exact_match, ev.problems);
+  if (ev.val_loss >= 0) line += fmt::format(" | val loss {:.4f}", ev.val_loss);
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+void Trainer::run(std::function<void(const StepStats&)> on_step) {
+  const bool logger = c_.world->rank() == 0;
+  const TrainConfig& tc = cfg_.train;
+  std::unique_ptr<MetricsWriter> metrics;
+  if (logger) {
+    std::filesystem::create_directories(tc.out_dir);
+    std::ofstream(std::filesystem::path(tc.out_dir) / "config.yaml") << config_to_yaml(cfg_);
+    metrics = std::make_unique<MetricsWriter>(MetricsWriter::open(tc.out_dir).value());
+    std::printf("ndtrain: %s model, %lld parameters, task %s, %d rank(s) [tp=%lld dp=%lld%s%s]\n",
+                cfg_.model.style.c_str(), static_cast<long long>(count_params()), cfg_.data.task.c_str(),
+                c_.world->size(), static_cast<long long>(cfg_.parallel.tp), static_cast<long long>(cfg_.parallel.dp),
+                cfg_.parallel.sequence_parallel ? " sp" : "", cfg_.parallel.zero1 ? " zero1" : "");
+    std::fflush(stdout);
+  }
+  std::vector<std::pair<int64_t, double>> train_curve, val_curve;
+  auto log_eval = [&](int64_t step) {
+    EvalStats ev = evaluate();
+    if (!logger) return;
+    print_eval(ev, step);
+    nlohmann::json j = {{"type", "eval"}, {"step", step}};
+    if (ev.exact_match >= 0) j["exact_match"] = ev.exact_match;
+    if (ev.val_loss >= 0) {
+      j["val_loss"] = ev.val_loss;
+      val_curve.emplace_back(step, ev.val_loss);
+    }
+    metrics->write(j).throw_if_error();
+  };
+
+  const auto start = std::chrono::steady_clock::now();
+  const double tokens_per_step = static_cast<double>(tc.global_batch * cfg_.data.seq_len);
+  int64_t step = 0;
+  for (; step < tc.steps; ++step) {
+    StepStats st = train_step(step);
+    if (on_step) on_step(st);
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (logger) {
+      train_curve.emplace_back(step, st.loss);
+      metrics->write({{"type", "train"}, {"step", step}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
+                      {"loss_tokens", st.tokens}, {"step_seconds", st.seconds}, {"elapsed_seconds", elapsed}})
+          .throw_if_error();
+      if (step % tc.log_every == 0 || step == tc.steps - 1) {
+        const double tps = tokens_per_step * static_cast<double>(step + 1) / elapsed;
+        const double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(tc.steps - step - 1);
+        std::printf("step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | elapsed %s | eta %s\n",
+                    static_cast<long long>(step), static_cast<long long>(tc.steps), st.loss, st.lr, st.grad_norm,
+                    format_count(tps).c_str(), format_duration(elapsed).c_str(), format_duration(eta).c_str());
+        std::fflush(stdout);
+      }
+    }
+    if (tc.eval_every > 0 && step > 0 && step % tc.eval_every == 0 && step != tc.steps - 1) log_eval(step);
+    // The time limit is decided on rank 0 and broadcast, so every rank stops at the same step.
+    int32_t stop = tc.max_seconds > 0 && elapsed > static_cast<double>(tc.max_seconds);
+    c_.world->broadcast(&stop, 1, DType::I32, 0);
+    if (stop) {
+      if (logger) std::printf("stopping after %lld steps: train.max_seconds=%lld reached\n",
+                              static_cast<long long>(step + 1), static_cast<long long>(tc.max_seconds));
+      ++step;
+      break;
+    }
+  }
+  log_eval(step);
+
+  // Final weights (gathered over TP) and the loss curve; one writer.
+  auto full = gather_full_params(model_->params(), *c_.tp);
+  if (logger) {
+    const std::filesystem::path dir(tc.out_dir);
+    save_safetensors((dir / "model.safetensors").string(), full,
+                     {{"format", "ndtrain"}, {"style", cfg_.model.style}}).throw_if_error();
+    write_loss_svg(train_curve, val_curve, (dir / "loss.svg").string(),
+                   fmt::format("{} on {} ({} steps)", cfg_.model.style, cfg_.data.task, step))
+        .throw_if_error();
+    std::printf("wrote %s/{model.safetensors, metrics.jsonl, loss.svg, config.yaml}\n", tc.out_dir.c_str());
+    std::fflush(stdout);
+  }
+}
+
+int64_t Trainer::count_params() const {
+  // Global parameter count: shards scaled back to the full tensor.
+  int64_t n = 0;
+  for (const auto& p : model_->params().all()) n += shape_numel(p->global_shape);
+  return n;
+}
+
+}  // namespace ndt
