@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages ndtrain builds against (skips what is already there). Needs root.
 set -euo pipefail
-PKGS=(build-essential cmake ninja-build pkg-config libopenblas-dev libopenmpi-dev openmpi-bin
+PKGS=(build-essential cmake ninja-build pkg-config libopenblas-dev libopenblas-openmp-dev libopenmpi-dev openmpi-bin
       libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libfmt-dev libsentencepiece-dev sentencepiece
       libgtest-dev libgmock-dev)
 missing=()

@@ -1,6 +1,7 @@
 // Tests of the CPU reference ops (ops/cpu_ops.h): finite-difference gradient checks for every
 // backward (tolerance stated in gradcheck.h), plus forward references and the vocab-parallel pieces.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <random>
@@ -292,6 +293,37 @@ TEST(OpsAttention, NoCrossSequenceOrFutureLeak) {
   run(q, k3, v3, o1, dq1, dk1, dv1);
   EXPECT_TRUE(same_rows(o0, o1, H * D, 0, 14));
   EXPECT_FALSE(same_rows(o0, o1, H * D, 14, 15));
+}
+
+// Large enough to take the threaded path: every (sequence, head) task computes the same numbers
+// whichever thread runs it, so 1 and 4 threads agree bitwise.
+TEST(OpsAttention, ThreadedMatchesSerial) {
+  std::mt19937 rng(16);
+  const std::vector<int32_t> cu = {0, 128, 228};
+  const int64_t nseq = 2, T = 228, H = 4, KV = 2, D = 32;
+  Vec q = randn(T * H * D, rng), k = randn(T * KV * D, rng), v = randn(T * KV * D, rng),
+      dout = randn(T * H * D, rng);
+  auto run = [&](int threads, Vec& out, Vec& dq, Vec& dk, Vec& dv) {
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    Vec lse(T * H);
+    out.assign(T * H * D, 0.f);
+    dq.assign(q.size(), 0.f);
+    dk.assign(k.size(), 0.f);
+    dv.assign(v.size(), 0.f);
+    cpu::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), cu.data(), nseq, T, H, KV, D,
+                           0.2f);
+    cpu::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                            out.data(), lse.data(), cu.data(), nseq, T, H, KV, D, 0.2f);
+    omp_set_num_threads(saved);
+  };
+  Vec o1, dq1, dk1, dv1, o4, dq4, dk4, dv4;
+  run(1, o1, dq1, dk1, dv1);
+  run(4, o4, dq4, dk4, dv4);
+  EXPECT_EQ(o1, o4);
+  EXPECT_EQ(dq1, dq4);
+  EXPECT_EQ(dk1, dk4);
+  EXPECT_EQ(dv1, dv4);
 }
 
 // ---------------------------------------------------------------- cross-entropy pieces

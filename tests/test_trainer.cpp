@@ -9,10 +9,10 @@ namespace ndt {
 namespace {
 
 Config tiny_config(const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> sets = {"model.style=llama", "model.vocab_size=264", "model.d_model=32",
-                                   "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-                                   "model.max_seq_len=32", "data.seq_len=16", "train.global_batch=8",
-                                   "train.steps=4", "train.warmup_steps=1", "train.lr=0.01"};
+  std::vector<std::string> sets = {"model.style=llama",    "model.vocab_size=264", "model.d_model=32",
+                                   "model.n_layers=2",     "model.n_heads=4",      "model.n_kv_heads=2",
+                                   "model.max_seq_len=32", "data.seq_len=16",      "train.global_batch=8",
+                                   "train.steps=4",        "train.warmup_steps=1", "train.lr=0.01"};
   sets.insert(sets.end(), extra.begin(), extra.end());
   return parse_config_string("{}", sets).value();
 }

@@ -19,9 +19,11 @@ Runner add_generate(CLI::App& app) {
     int64_t max_new_tokens = 32;
   };
   auto o = std::make_shared<Opts>();
-  cmd->add_option("--run", o->run_dir, "Directory of a training run (config.yaml + model.safetensors)")->required();
+  cmd->add_option("--run", o->run_dir, "Directory of a training run (config.yaml + model.safetensors)")
+      ->required();
   cmd->add_option("-p,--prompt", o->prompts, "Prompt text (repeatable)")->required();
-  cmd->add_option("-n,--max-new-tokens", o->max_new_tokens, "Tokens to generate at most")->check(CLI::Range(1, 4096));
+  cmd->add_option("-n,--max-new-tokens", o->max_new_tokens, "Tokens to generate at most")
+      ->check(CLI::Range(1, 4096));
   return [o](Communicator& world) {
     NDT_CHECK(world.size() == 1, "generate runs in one process (got {} ranks)", world.size());
     const std::filesystem::path dir(o->run_dir);
@@ -32,8 +34,9 @@ Runner add_generate(CLI::App& app) {
     for (auto& p : model.params().all()) {
       Tensor t = file.read(p->name);
       if (t.shape() != p->value.shape())
-        NDT_FAIL("{}: tensor {} has shape {}, the config's model expects {}", (dir / "model.safetensors").string(),
-                 p->name, shape_str(t.shape()), shape_str(p->value.shape()));
+        NDT_FAIL("{}: tensor {} has shape {}, the config's model expects {}",
+                 (dir / "model.safetensors").string(), p->name, shape_str(t.shape()),
+                 shape_str(p->value.shape()));
       p->value.copy_from(t);
     }
     std::vector<std::vector<int32_t>> prompts;
@@ -44,7 +47,8 @@ Runner add_generate(CLI::App& app) {
       prompts.push_back(ids);
     }
     auto out = greedy_generate(model, prompts, o->max_new_tokens, tok->eos_id(), tok->pad_id());
-    for (size_t i = 0; i < out.size(); ++i) std::printf("%s%s\n", o->prompts[i].c_str(), tok->decode(out[i]).c_str());
+    for (size_t i = 0; i < out.size(); ++i)
+      std::printf("%s%s\n", o->prompts[i].c_str(), tok->decode(out[i]).c_str());
     return 0;
   };
 }

@@ -8,7 +8,8 @@
 namespace ndt::app {
 
 Runner add_tokenize(CLI::App& app) {
-  auto* cmd = app.add_subcommand("tokenize", "Turn text files (or .jsonl with a \"text\" field) into token shards");
+  auto* cmd =
+      app.add_subcommand("tokenize", "Turn text files (or .jsonl with a \"text\" field) into token shards");
   struct Opts {
     std::string tokenizer = "byte", out;
     std::vector<std::string> inputs;
@@ -17,7 +18,8 @@ Runner add_tokenize(CLI::App& app) {
   auto o = std::make_shared<Opts>();
   cmd->add_option("--tokenizer", o->tokenizer, "\"byte\" or a SentencePiece .model file");
   cmd->add_option("-o,--out", o->out, "Output prefix: PREFIX_000000.bin, ...")->required();
-  cmd->add_option("--shard-tokens", o->shard_tokens, "Tokens per shard")->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  cmd->add_option("--shard-tokens", o->shard_tokens, "Tokens per shard")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   cmd->add_option("inputs", o->inputs, "Text files")->required();
   return [o](Communicator& world) {
     NDT_CHECK(world.size() == 1, "tokenize runs in one process (got {} ranks)", world.size());

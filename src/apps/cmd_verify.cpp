@@ -36,7 +36,8 @@ Runner add_verify(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("-c,--config", o->config, "YAML config file")->required();
-  cmd->add_option("--set", o->sets, "Config overrides, including the layout: --set parallel.tp=2 parallel.dp=2");
+  cmd->add_option("--set", o->sets,
+                  "Config overrides, including the layout: --set parallel.tp=2 parallel.dp=2");
   cmd->add_option("--steps", o->steps, "Optimizer steps to compare")->check(CLI::Range(1, 1000));
   cmd->add_option("--tol-loss", o->tol_loss, "Max relative difference of loss and grad norm per step");
   cmd->add_option("--tol-weights", o->tol_weights, "Max ||w - w_ref||_inf / ||w_ref||_inf per tensor");
@@ -62,25 +63,26 @@ Runner add_verify(CLI::App& app) {
     bool ok = true;
     const bool logger = world.rank() == 0;
     if (logger) {
-      std::printf("verify: %s against the single-process run, %lld steps\n", layout.value()->grid().describe().c_str(),
-                  static_cast<long long>(o->steps));
-      std::printf("%5s %14s %14s %10s %12s %12s %10s\n", "step", "loss(ref)", "loss", "rel", "gnorm(ref)", "gnorm",
-                  "rel");
+      std::printf("verify: %s against the single-process run, %lld steps\n",
+                  layout.value()->grid().describe().c_str(), static_cast<long long>(o->steps));
+      std::printf("%5s %14s %14s %10s %12s %12s %10s\n", "step", "loss(ref)", "loss", "rel", "gnorm(ref)",
+                  "gnorm", "rel");
     }
     for (int64_t i = 0; i < o->steps; ++i) {
       const StepStats &a = ref.history()[static_cast<size_t>(i)], &b = par.history()[static_cast<size_t>(i)];
       const double rl = rel(b.loss, a.loss), rg = rel(b.grad_norm, a.grad_norm);
       ok = ok && rl <= o->tol_loss && rg <= o->tol_loss && a.tokens == b.tokens;
       if (logger)
-        std::printf("%5lld %14.8f %14.8f %10.2e %12.6f %12.6f %10.2e%s\n", static_cast<long long>(i), a.loss, b.loss,
-                    rl, a.grad_norm, b.grad_norm, rg, (rl <= o->tol_loss && rg <= o->tol_loss) ? "" : "  <-- FAIL");
+        std::printf("%5lld %14.8f %14.8f %10.2e %12.6f %12.6f %10.2e%s\n", static_cast<long long>(i), a.loss,
+                    b.loss, rl, a.grad_norm, b.grad_norm, rg,
+                    (rl <= o->tol_loss && rg <= o->tol_loss) ? "" : "  <-- FAIL");
     }
     double worst = 0;
     std::string worst_name;
     for (const auto& [name, w] : par_w) {
       const Param* rp = ref.model().params().find(name);
-      NDT_CHECK(rp != nullptr && rp->value.numel() == w.numel(), "layout has parameter {} that the reference lacks",
-                name);
+      NDT_CHECK(rp != nullptr && rp->value.numel() == w.numel(),
+                "layout has parameter {} that the reference lacks", name);
       const double d = weight_rel_diff(w, rp->value);
       if (d >= worst) {
         worst = d;
@@ -89,8 +91,9 @@ Runner add_verify(CLI::App& app) {
     }
     ok = ok && par_w.size() == ref.model().params().all().size() && worst <= o->tol_weights;
     if (logger)
-      std::printf("weights after %lld steps: max ||w - w_ref||_inf / ||w_ref||_inf = %.2e (%s), tolerance %.1e\n",
-                  static_cast<long long>(o->steps), worst, worst_name.c_str(), o->tol_weights);
+      std::printf(
+          "weights after %lld steps: max ||w - w_ref||_inf / ||w_ref||_inf = %.2e (%s), tolerance %.1e\n",
+          static_cast<long long>(o->steps), worst, worst_name.c_str(), o->tol_weights);
     // Every rank checked its own copy; the layout passes only if all of them did.
     int32_t all_ok = ok;
     world.all_reduce(&all_ok, 1, DType::I32, ReduceOp::Min);

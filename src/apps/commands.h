@@ -1,9 +1,8 @@
 #pragma once
 // Subcommands of the ndtrain CLI. Each registers its options on the app and returns the function that
 // runs it (exit code). Errors are thrown as ndt::Error and reported by main on every rank.
-#include <functional>
-
 #include <CLI/CLI.hpp>
+#include <functional>
 
 #include "dist/communicator.h"
 

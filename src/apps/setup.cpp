@@ -7,7 +7,8 @@ namespace ndt::app {
 
 void agree_or_throw(const Status& local, Communicator& world) { agree(local, world).throw_if_error(); }
 
-RunSetup load_run(Communicator& world, const std::string& config_path, const std::vector<std::string>& overrides) {
+RunSetup load_run(Communicator& world, const std::string& config_path,
+                  const std::vector<std::string>& overrides) {
   RunSetup s;
   auto cfg = load_config(config_path, overrides);
   agree_or_throw(cfg.status(), world);
@@ -18,9 +19,10 @@ RunSetup load_run(Communicator& world, const std::string& config_path, const std
   agree_or_throw(tok.status(), world);
   s.tok = std::move(tok).value();
   if (s.tok->vocab_size() > s.cfg.model.vocab_size) {
-    agree_or_throw(Status::error(fmt::format("tokenizer '{}' has {} tokens but model.vocab_size is {}",
-                                             s.cfg.data.tokenizer, s.tok->vocab_size(), s.cfg.model.vocab_size)),
-                   world);
+    agree_or_throw(
+        Status::error(fmt::format("tokenizer '{}' has {} tokens but model.vocab_size is {}",
+                                  s.cfg.data.tokenizer, s.tok->vocab_size(), s.cfg.model.vocab_size)),
+        world);
   }
   auto train = make_dataset(s.cfg.data, *s.tok, false);
   agree_or_throw(train.status(), world);

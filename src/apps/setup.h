@@ -19,7 +19,8 @@ struct RunSetup {
 };
 
 // Config, tokenizer, datasets, layout validation. Throws ndt::Error (same message on every rank).
-RunSetup load_run(Communicator& world, const std::string& config_path, const std::vector<std::string>& overrides);
+RunSetup load_run(Communicator& world, const std::string& config_path,
+                  const std::vector<std::string>& overrides);
 
 // Turn a local status into a world-agreed one and throw it when it is an error.
 void agree_or_throw(const Status& local, Communicator& world);

@@ -2,10 +2,10 @@
 // Invariant checks and the project's exception type.
 // NDT_CHECK is for invariants inside the engine (a failure is a bug or a bad input that slipped past
 // validation); boundaries (config, files, communicator init) return Status/Result instead.
+#include <fmt/format.h>
+
 #include <stdexcept>
 #include <string>
-
-#include <fmt/format.h>
 
 namespace ndt {
 
@@ -19,8 +19,8 @@ class Error : public std::runtime_error {
 
 }  // namespace ndt
 
-#define NDT_CHECK(cond, ...)                                                          \
-  do {                                                                                \
+#define NDT_CHECK(cond, ...)                                                                    \
+  do {                                                                                          \
     if (!(cond)) ::ndt::check_failed(__FILE__, __LINE__, #cond, ::fmt::format("" __VA_ARGS__)); \
   } while (0)
 

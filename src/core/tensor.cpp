@@ -6,22 +6,32 @@ namespace ndt {
 
 size_t dtype_size(DType dt) {
   switch (dt) {
-    case DType::F32: return 4;
-    case DType::BF16: return 2;
-    case DType::I32: return 4;
-    case DType::I64: return 8;
-    case DType::F64: return 8;
+    case DType::F32:
+      return 4;
+    case DType::BF16:
+      return 2;
+    case DType::I32:
+      return 4;
+    case DType::I64:
+      return 8;
+    case DType::F64:
+      return 8;
   }
   return 0;
 }
 
 const char* dtype_name(DType dt) {
   switch (dt) {
-    case DType::F32: return "f32";
-    case DType::BF16: return "bf16";
-    case DType::I32: return "i32";
-    case DType::I64: return "i64";
-    case DType::F64: return "f64";
+    case DType::F32:
+      return "f32";
+    case DType::BF16:
+      return "bf16";
+    case DType::I32:
+      return "i32";
+    case DType::I64:
+      return "i64";
+    case DType::F64:
+      return "f64";
   }
   return "?";
 }
@@ -106,8 +116,8 @@ void Tensor::zero_() {
 }
 
 void Tensor::copy_from(const Tensor& src) {
-  NDT_CHECK(src.numel_ == numel_ && src.dtype_ == dtype_, "copy_from: {} {} into {} {}", shape_str(src.shape_),
-            dtype_name(src.dtype_), shape_str(shape_), dtype_name(dtype_));
+  NDT_CHECK(src.numel_ == numel_ && src.dtype_ == dtype_, "copy_from: {} {} into {} {}",
+            shape_str(src.shape_), dtype_name(src.dtype_), shape_str(shape_), dtype_name(dtype_));
   if (numel_) std::memcpy(data_ptr(), src.data_ptr(), nbytes());
 }
 

@@ -27,15 +27,25 @@ std::string shape_str(const Shape& s);
 template <typename T>
 constexpr DType dtype_of();
 template <>
-constexpr DType dtype_of<float>() { return DType::F32; }
+constexpr DType dtype_of<float>() {
+  return DType::F32;
+}
 template <>
-constexpr DType dtype_of<int32_t>() { return DType::I32; }
+constexpr DType dtype_of<int32_t>() {
+  return DType::I32;
+}
 template <>
-constexpr DType dtype_of<int64_t>() { return DType::I64; }
+constexpr DType dtype_of<int64_t>() {
+  return DType::I64;
+}
 template <>
-constexpr DType dtype_of<double>() { return DType::F64; }
+constexpr DType dtype_of<double>() {
+  return DType::F64;
+}
 template <>
-constexpr DType dtype_of<uint16_t>() { return DType::BF16; }  // bf16 stored as raw 16-bit words
+constexpr DType dtype_of<uint16_t>() {
+  return DType::BF16;
+}  // bf16 stored as raw 16-bit words
 
 class Tensor {
  public:

@@ -13,7 +13,7 @@ class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
   virtual std::vector<int32_t> encode(const std::string& text) const = 0;  // no BOS/EOS added
-  virtual std::string decode(const std::vector<int32_t>& ids) const = 0;  // special ids are skipped
+  virtual std::string decode(const std::vector<int32_t>& ids) const = 0;   // special ids are skipped
   virtual int64_t vocab_size() const = 0;
   virtual int32_t bos_id() const = 0;
   virtual int32_t eos_id() const = 0;

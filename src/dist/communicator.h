@@ -62,7 +62,9 @@ class Communicator {
   // Typed conveniences.
   void all_reduce_sum(float* buf, int64_t count) { all_reduce(buf, count, DType::F32, ReduceOp::Sum); }
   void all_reduce_max(float* buf, int64_t count) { all_reduce(buf, count, DType::F32, ReduceOp::Max); }
-  void all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum) { all_reduce(t.data_ptr(), t.numel(), t.dtype(), op); }
+  void all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum) {
+    all_reduce(t.data_ptr(), t.numel(), t.dtype(), op);
+  }
 };
 
 // A one-rank communicator (every collective is the identity): lets single-process code use the same

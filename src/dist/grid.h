@@ -16,8 +16,8 @@
 namespace ndt {
 
 struct GridSpec {
-  std::map<std::string, int64_t> sizes;   // axis name -> degree (missing axes are 1)
-  std::string order = "tp-cp-ep-dp-pp";   // innermost first; must name each of the five axes once
+  std::map<std::string, int64_t> sizes;  // axis name -> degree (missing axes are 1)
+  std::string order = "tp-cp-ep-dp-pp";  // innermost first; must name each of the five axes once
 };
 
 // What the degrees must divide; zero fields are not checked.

@@ -21,10 +21,6 @@ namespace {
 // Largest count handed to one MPI call (MPI-3 counts are int); lowered by tests only.
 std::atomic<int64_t> g_max_chunk{INT_MAX};
 
-// Tag of the point-to-point fallback of all_to_all_v. Below MPI's guaranteed MPI_TAG_UB (32767);
-// callers' pipeline tags stay small, and the fallback only runs while no user P2P is in flight.
-constexpr int kAllToAllTag = 32000;
-
 bool we_initialized = false;  // MpiSession called MPI_Init_thread (so it must finalize)
 
 void mpi_check(int rc, const char* call, const char* file, int line) {
@@ -232,38 +228,18 @@ class MpiCommunicator final : public Communicator {
     NDT_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
                   recv_offsets.size() == n,
               "all_to_all_v: counts/offsets must have one entry per rank ({})", size_);
-    const int64_t limit = g_max_chunk.load();
-    bool fits = true;
-    for (size_t i = 0; i < n; ++i) {
-      NDT_CHECK(send_counts[i] >= 0 && recv_counts[i] >= 0 && send_offsets[i] >= 0 && recv_offsets[i] >= 0,
-                "all_to_all_v: negative count or offset for rank {}", i);
-      for (int64_t v : {send_counts[i], send_offsets[i], recv_counts[i], recv_offsets[i]}) fits &= v <= limit;
-    }
-    if (fits) {
-      auto to_int = [](const std::vector<int64_t>& v) { return std::vector<int>(v.begin(), v.end()); };
-      std::vector<int> sc = to_int(send_counts), so = to_int(send_offsets), rc = to_int(recv_counts),
-                       ro = to_int(recv_offsets);
-      NDT_MPI(MPI_Alltoallv(send, sc.data(), so.data(), mpi_type(dt), recv, rc.data(), ro.data(),
-                            mpi_type(dt), comm_));
-      return;
-    }
-    // Counts or offsets beyond int: pairwise messages (chunked by batch_p2p); our own block is a copy.
-    const auto me = static_cast<size_t>(rank_);
-    NDT_CHECK(send_counts[me] == recv_counts[me], "all_to_all_v: rank {} sends itself {} but expects {}",
-              rank_, send_counts[me], recv_counts[me]);
-    std::memmove(at(recv, recv_offsets[me], dt), at(send, send_offsets[me], dt),
-                 static_cast<size_t>(send_counts[me]) * dtype_size(dt));
-    std::vector<P2POp> ops;
-    for (int p = 0; p < size_; ++p) {
-      const auto i = static_cast<size_t>(p);
-      if (p == rank_) continue;
-      if (recv_counts[i] > 0)
-        ops.push_back({P2POp::Recv, at(recv, recv_offsets[i], dt), recv_counts[i], dt, p, kAllToAllTag});
-      if (send_counts[i] > 0)
-        ops.push_back({P2POp::Send, const_cast<char*>(at(send, send_offsets[i], dt)), send_counts[i], dt, p,
-                       kAllToAllTag});
-    }
-    batch_p2p(ops);
+    // MPI-3 Alltoallv takes int counts and displacements. Beyond that we fail loudly: a message of
+    // 2^31 elements per peer is far outside what this CPU path is for, and the check is local, so the
+    // caller's fatal-error path (MpiSession::abort) must end the job.
+    for (size_t i = 0; i < n; ++i)
+      for (int64_t v : {send_counts[i], send_offsets[i], recv_counts[i], recv_offsets[i]})
+        NDT_CHECK(v >= 0 && v <= INT_MAX,
+                  "all_to_all_v: count/offset {} for rank {} is negative or exceeds the MPI int limit", v, i);
+    auto to_int = [](const std::vector<int64_t>& v) { return std::vector<int>(v.begin(), v.end()); };
+    std::vector<int> sc = to_int(send_counts), so = to_int(send_offsets), rc = to_int(recv_counts),
+                     ro = to_int(recv_offsets);
+    NDT_MPI(MPI_Alltoallv(send, sc.data(), so.data(), mpi_type(dt), recv, rc.data(), ro.data(), mpi_type(dt),
+                          comm_));
   }
 
   void barrier() override { NDT_MPI(MPI_Barrier(comm_)); }

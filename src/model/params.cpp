@@ -4,7 +4,8 @@
 
 namespace ndt {
 
-int64_t slice_to_global_index(const Shape& local, const Shape& global, int shard_dim, int64_t offset, int64_t i) {
+int64_t slice_to_global_index(const Shape& local, const Shape& global, int shard_dim, int64_t offset,
+                              int64_t i) {
   if (shard_dim < 0) return i;
   // Decompose the local index over the local shape, shift the sharded coordinate, recompose globally.
   int64_t g = 0, rem = i, stride = shape_numel(local);
@@ -24,8 +25,10 @@ int64_t Param::global_index(int64_t i) const {
 
 float init_value(uint64_t seed, const std::string& name, InitKind kind, float std, int64_t global_index) {
   switch (kind) {
-    case InitKind::Ones: return 1.0f;
-    case InitKind::Zeros: return 0.0f;
+    case InitKind::Ones:
+      return 1.0f;
+    case InitKind::Zeros:
+      return 0.0f;
     case InitKind::Normal:
       return std * philox_normal(seed, stable_hash(name), static_cast<uint64_t>(global_index));
   }
@@ -40,8 +43,9 @@ Param& ParamStore::add(const std::string& name, Shape global_shape, InitKind ini
   p->global_shape = global_shape;
   Shape local = global_shape;
   if (shard_dim >= 0 && shards > 1) {
-    NDT_CHECK(global_shape[shard_dim] % shards == 0, "parameter {} dim {} of size {} not divisible into {} shards",
-              name, shard_dim, global_shape[shard_dim], shards);
+    NDT_CHECK(global_shape[shard_dim] % shards == 0,
+              "parameter {} dim {} of size {} not divisible into {} shards", name, shard_dim,
+              global_shape[shard_dim], shards);
     local[shard_dim] = global_shape[shard_dim] / shards;
     p->shard_dim = shard_dim;
     p->shard_offset = local[shard_dim] * shard_rank;
@@ -61,7 +65,8 @@ void ParamStore::init(uint64_t seed) {
     float* v = p->value.f32();
     const int64_t n = p->numel();
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) v[i] = init_value(seed, p->name, p->init, p->init_std, p->global_index(i));
+    for (int64_t i = 0; i < n; ++i)
+      v[i] = init_value(seed, p->name, p->init, p->init_std, p->global_index(i));
   }
 }
 
@@ -81,7 +86,9 @@ Param& ParamStore::get(const std::string& name) {
   return *p;
 }
 
-const Param& ParamStore::get(const std::string& name) const { return const_cast<ParamStore*>(this)->get(name); }
+const Param& ParamStore::get(const std::string& name) const {
+  return const_cast<ParamStore*>(this)->get(name);
+}
 
 int64_t ParamStore::local_numel() const {
   int64_t n = 0;

@@ -13,9 +13,9 @@ namespace ndt {
 enum class InitKind { Normal, Ones, Zeros };
 
 struct Param {
-  std::string name;       // global, e.g. "layers.7.attn.wq.weight"
-  Shape global_shape;     // shape of the whole tensor
-  int shard_dim = -1;     // dim split over TP ranks (-1: this rank holds the whole tensor)
+  std::string name;          // global, e.g. "layers.7.attn.wq.weight"
+  Shape global_shape;        // shape of the whole tensor
+  int shard_dim = -1;        // dim split over TP ranks (-1: this rank holds the whole tensor)
   int64_t shard_offset = 0;  // first global index along shard_dim held here
   // Same values on every TP rank (norm weights, row-parallel biases, position table). Their gradients
   // are partial sums under sequence parallelism and are reduced over TP; the grad norm counts them once.
@@ -61,7 +61,8 @@ class ParamStore {
 };
 
 // Global flat index of element i of a slice with `local` shape taken at `offset` along shard_dim.
-int64_t slice_to_global_index(const Shape& local, const Shape& global, int shard_dim, int64_t offset, int64_t i);
+int64_t slice_to_global_index(const Shape& local, const Shape& global, int shard_dim, int64_t offset,
+                              int64_t i);
 
 // The init value of element `global_index` of parameter `name`.
 float init_value(uint64_t seed, const std::string& name, InitKind kind, float std, int64_t global_index);

@@ -193,7 +193,8 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
     ops::rope_backward(dk, mb.positions, theta);
   }
   Tensor da_in = Tensor::zeros({T, C});
-  for (auto [name, d] : {std::pair<const char*, Tensor*>{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}}) {
+  for (auto [name, d] :
+       {std::pair<const char*, Tensor*>{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}}) {
     Param& w = p(pre + name + ".weight");
     Param* b = params_.find(pre + name + ".bias");
     ops::linear_backward(&da_in, w.grad, b ? &b->grad : nullptr, *d, a.a_in, w.value);
@@ -208,8 +209,8 @@ Tensor Transformer::forward(const Microbatch& mb, const Tensor& x_in, Activation
   auto [tok0, Tl] = tp_->local_tokens(T);
   NDT_CHECK(!tp_->sequence_parallel() || T % tp_->size() == 0,
             "sequence parallel needs the token count {} to be divisible by tp={}", T, tp_->size());
-  NDT_CHECK(mb.max_seqlen <= cfg_.max_seq_len, "sequence of {} tokens exceeds model.max_seq_len={}", mb.max_seqlen,
-            cfg_.max_seq_len);
+  NDT_CHECK(mb.max_seqlen <= cfg_.max_seq_len, "sequence of {} tokens exceeds model.max_seq_len={}",
+            mb.max_seqlen, cfg_.max_seq_len);
   Tensor x;
   if (stage_.has_embedding) {
     Tensor partial = Tensor::empty({T, C});
@@ -220,8 +221,9 @@ Tensor Transformer::forward(const Microbatch& mb, const Tensor& x_in, Activation
       ops::add_position_embedding_forward(x, pos, p("embed.positions.weight").value);
     }
   } else {
-    NDT_CHECK(x_in.defined() && x_in.size(0) == Tl && x_in.size(1) == C, "stage input must be ({}, {}), got {}", Tl,
-              C, x_in.defined() ? shape_str(x_in.shape()) : "undefined");
+    NDT_CHECK(x_in.defined() && x_in.size(0) == Tl && x_in.size(1) == C,
+              "stage input must be ({}, {}), got {}", Tl, C,
+              x_in.defined() ? shape_str(x_in.shape()) : "undefined");
     x = x_in;
   }
   acts.layers.resize(static_cast<size_t>(stage_.last_layer - stage_.first_layer));
@@ -244,7 +246,8 @@ Tensor Transformer::forward(const Microbatch& mb, const Tensor& x_in, Activation
   tp_->all_reduce_max(acts.rowmax.f32(), T);
   cpu::xent_sumexp(acts.sumexp.f32(), acts.logits.f32(), acts.rowmax.f32(), T, vocab_local_);
   tp_->all_reduce_sum(acts.sumexp.f32(), T);
-  cpu::xent_target_logit(target_logit.f32(), acts.logits.f32(), mb.targets.i32(), T, vocab_local_, vocab_start_);
+  cpu::xent_target_logit(target_logit.f32(), acts.logits.f32(), mb.targets.i32(), T, vocab_local_,
+                         vocab_start_);
   tp_->all_reduce_sum(target_logit.f32(), T);
   cpu::xent_logprob(acts.logprob.f32(), target_logit.f32(), acts.rowmax.f32(), acts.sumexp.f32(), T);
   return x;
@@ -268,8 +271,8 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
     const float* mask = mb.loss_mask.f32();
     for (int64_t t = 0; t < T; ++t) dloss.f32()[t] = loss_scale * mask[t];
     Tensor dlogits = Tensor::zeros({T, vocab_local_});
-    cpu::xent_backward(dlogits.f32(), acts.logits.f32(), acts.rowmax.f32(), acts.sumexp.f32(), mb.targets.i32(),
-                       dloss.f32(), T, vocab_local_, vocab_start_);
+    cpu::xent_backward(dlogits.f32(), acts.logits.f32(), acts.rowmax.f32(), acts.sumexp.f32(),
+                       mb.targets.i32(), dloss.f32(), T, vocab_local_, vocab_start_);
     Param& w = cfg_.tied() ? p("embed.tokens.weight") : p("lm_head.weight");
     Tensor dhead_in = Tensor::zeros({T, C});
     ops::linear_backward(&dhead_in, w.grad, nullptr, dlogits, acts.head_in, w.value);
@@ -292,7 +295,8 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
   return Tensor();
 }
 
-std::vector<int32_t> Transformer::argmax_rows(const Activations& acts, const std::vector<int64_t>& rows) const {
+std::vector<int32_t> Transformer::argmax_rows(const Activations& acts,
+                                              const std::vector<int64_t>& rows) const {
   const int64_t n = static_cast<int64_t>(rows.size());
   std::vector<float> best(static_cast<size_t>(n)), neg_idx(static_cast<size_t>(n));
   const float* lg = acts.logits.f32();
@@ -312,7 +316,8 @@ std::vector<int32_t> Transformer::argmax_rows(const Activations& acts, const std
       neg_idx[static_cast<size_t>(i)] = -std::numeric_limits<float>::max();
   tp_->all_reduce_max(neg_idx.data(), n);
   std::vector<int32_t> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = static_cast<int32_t>(-neg_idx[static_cast<size_t>(i)]);
+  for (int64_t i = 0; i < n; ++i)
+    out[static_cast<size_t>(i)] = static_cast<int32_t>(-neg_idx[static_cast<size_t>(i)]);
   return out;
 }
 

@@ -25,26 +25,26 @@ struct StageSpec {
 };
 
 struct LayerActs {
-  Tensor x_in;                     // (Tl, C) layer input (residual stream)
-  Tensor n1, n1_mean, n1_rstd;     // (Tl, C), (Tl), (Tl) attention norm
-  Tensor a_in;                     // (T, C) attention input after `enter`
-  Tensor q, k, v;                  // (T, Hl, D), (T, KVl, D), (T, KVl, D), after RoPE
-  Tensor att, lse;                 // (T, Hl, D), (T, Hl)
-  Tensor h;                        // (Tl, C) after the attention residual
-  Tensor n2, n2_mean, n2_rstd;     // MLP norm
-  Tensor m_in;                     // (T, C)
-  Tensor fc1, fc3;                 // (T, Fl): gpt2 pre-GELU / llama gate; llama up
-  Tensor act;                      // (T, Fl) activation output
+  Tensor x_in;                  // (Tl, C) layer input (residual stream)
+  Tensor n1, n1_mean, n1_rstd;  // (Tl, C), (Tl), (Tl) attention norm
+  Tensor a_in;                  // (T, C) attention input after `enter`
+  Tensor q, k, v;               // (T, Hl, D), (T, KVl, D), (T, KVl, D), after RoPE
+  Tensor att, lse;              // (T, Hl, D), (T, Hl)
+  Tensor h;                     // (Tl, C) after the attention residual
+  Tensor n2, n2_mean, n2_rstd;  // MLP norm
+  Tensor m_in;                  // (T, C)
+  Tensor fc1, fc3;              // (T, Fl): gpt2 pre-GELU / llama gate; llama up
+  Tensor act;                   // (T, Fl) activation output
 };
 
 struct Activations {
   std::vector<LayerActs> layers;
-  Tensor x_final;                  // (Tl, C) input to the final norm
-  Tensor fn, fn_mean, fn_rstd;     // final norm
-  Tensor head_in;                  // (T, C)
-  Tensor logits;                   // (T, Vl) this rank's vocab columns
-  Tensor rowmax, sumexp;           // (T) reduced over TP
-  Tensor logprob;                  // (T) log p(target) per token (all TP ranks hold it)
+  Tensor x_final;               // (Tl, C) input to the final norm
+  Tensor fn, fn_mean, fn_rstd;  // final norm
+  Tensor head_in;               // (T, C)
+  Tensor logits;                // (T, Vl) this rank's vocab columns
+  Tensor rowmax, sumexp;        // (T) reduced over TP
+  Tensor logprob;               // (T) log p(target) per token (all TP ranks hold it)
 };
 
 class Transformer {
@@ -76,8 +76,8 @@ class Transformer {
   Tensor layer_forward(int64_t l, const Microbatch& mb, const Tensor& x, LayerActs& a);
   Tensor layer_backward(int64_t l, const Microbatch& mb, const Tensor& dout, LayerActs& a);
   void norm_forward(const std::string& prefix, const Tensor& x, Tensor& out, Tensor& mean, Tensor& rstd);
-  void norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x, const Tensor& mean,
-                     const Tensor& rstd);
+  void norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x,
+                     const Tensor& mean, const Tensor& rstd);
   Param& p(const std::string& name) { return params_.get(name); }
   const Tensor* bias(const std::string& name);
   std::string lp(int64_t l) const { return "layers." + std::to_string(l) + "."; }

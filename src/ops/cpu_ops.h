@@ -25,8 +25,8 @@ void add_position_embedding_backward(float* dpos_table, const float* dout, const
                                      int64_t P, int64_t C);
 
 // ---- linear: out(T, OC) = inp(T, IC) @ weight(OC, IC)^T + bias(OC) (bias may be null) ----
-void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t T, int64_t IC,
-                    int64_t OC);
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t T,
+                    int64_t IC, int64_t OC);
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t T, int64_t IC, int64_t OC);
 
@@ -42,7 +42,8 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 
 // ---- rotary embedding on (T, H, D), rotating pairs (i, i + D/2) (Llama/HF "rotate_half" layout) ----
 // angle = pos[t] * theta^(-2i/D). inp == out is allowed.
-void rope_forward(float* out, const float* inp, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta);
+void rope_forward(float* out, const float* inp, const int32_t* pos, int64_t T, int64_t H, int64_t D,
+                  float theta);
 void rope_backward(float* dinp, const float* dout, const int32_t* pos, int64_t T, int64_t H, int64_t D,
                    float theta);
 
@@ -64,7 +65,8 @@ void gelu_forward(float* out, const float* inp, int64_t N);
 void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N);
 // SwiGLU: out = silu(gate) * up.
 void swiglu_forward(float* out, const float* gate, const float* up, int64_t N);
-void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t N);
+void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
+                     int64_t N);
 
 // ---- softmax cross-entropy, in vocab-parallel pieces ----
 // logits(T, V) hold vocab columns [vocab_start, vocab_start + V) of the full vocabulary. Under TP the
@@ -76,7 +78,8 @@ void xent_sumexp(float* sumexp, const float* logits, const float* rowmax, int64_
 void xent_target_logit(float* target_logit, const float* logits, const int32_t* targets, int64_t T, int64_t V,
                        int64_t vocab_start);
 // logprob[t] = target_logit[t] - rowmax[t] - log(sumexp[t]); loss is -logprob.
-void xent_logprob(float* logprob, const float* target_logit, const float* rowmax, const float* sumexp, int64_t T);
+void xent_logprob(float* logprob, const float* target_logit, const float* rowmax, const float* sumexp,
+                  int64_t T);
 // dlogits[t][j] += dloss[t] * (softmax[t][j] - [j == target[t]]); dloss[t] = 0 skips the row
 // (ignore mask and loss scaling are folded into dloss by the caller).
 void xent_backward(float* dlogits, const float* logits, const float* rowmax, const float* sumexp,

@@ -56,9 +56,10 @@ void linear_backward(Tensor* dinp, Tensor& dweight, Tensor* dbias, const Tensor&
                      const Tensor& weight) {
   require_cpu(inp, "linear_backward");
   int64_t OC = weight.size(0), IC = weight.size(1), T = rows(inp);
-  NDT_CHECK(dout.numel() == T * OC, "linear_backward: dout has {} elements, expected {}", dout.numel(), T * OC);
-  cpu::linear_backward(dinp ? dinp->f32() : nullptr, dweight.f32(), dbias ? dbias->f32() : nullptr, dout.f32(),
-                       inp.f32(), weight.f32(), T, IC, OC);
+  NDT_CHECK(dout.numel() == T * OC, "linear_backward: dout has {} elements, expected {}", dout.numel(),
+            T * OC);
+  cpu::linear_backward(dinp ? dinp->f32() : nullptr, dweight.f32(), dbias ? dbias->f32() : nullptr,
+                       dout.f32(), inp.f32(), weight.f32(), T, IC, OC);
 }
 
 void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp, const Tensor& weight,
@@ -71,8 +72,8 @@ void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& in
 void layernorm_backward(Tensor& dinp, Tensor& dweight, Tensor& dbias, const Tensor& dout, const Tensor& inp,
                         const Tensor& weight, const Tensor& mean, const Tensor& rstd) {
   require_cpu(inp, "layernorm_backward");
-  cpu::layernorm_backward(dinp.f32(), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(), mean.f32(),
-                          rstd.f32(), rows(inp), inp.size(-1));
+  cpu::layernorm_backward(dinp.f32(), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(),
+                          mean.f32(), rstd.f32(), rows(inp), inp.size(-1));
 }
 
 void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) {
@@ -80,8 +81,8 @@ void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor&
   cpu::rmsnorm_forward(out.f32(), rstd.f32(), inp.f32(), weight.f32(), rows(inp), inp.size(-1), eps);
 }
 
-void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight,
-                      const Tensor& rstd) {
+void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                      const Tensor& weight, const Tensor& rstd) {
   require_cpu(inp, "rmsnorm_backward");
   cpu::rmsnorm_backward(dinp.f32(), dweight.f32(), dout.f32(), inp.f32(), weight.f32(), rstd.f32(), rows(inp),
                         inp.size(-1));
@@ -106,13 +107,13 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& 
   require_cpu(q, "attention_forward");
   int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1);
   NDT_CHECK(H % KV == 0, "attention: {} query heads not divisible by {} kv heads", H, KV);
-  cpu::attention_forward(out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), cu_seqlens.i32(), cu_seqlens.numel() - 1,
-                         T, H, KV, D, scale);
+  cpu::attention_forward(out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), cu_seqlens.i32(),
+                         cu_seqlens.numel() - 1, T, H, KV, D, scale);
 }
 
-void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q, const Tensor& k,
-                        const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
-                        float scale) {
+void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
+                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                        const Tensor& cu_seqlens, float scale) {
   require_cpu(q, "attention_backward");
   int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1);
   cpu::attention_backward(dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(), out.f32(),
@@ -175,7 +176,8 @@ Tensor slice_rows(const Tensor& t, int64_t first, int64_t count) {
   s[0] = count;
   Tensor out = Tensor::empty(s, t.dtype(), t.device());
   const size_t row_bytes = t.nbytes() / static_cast<size_t>(t.size(0));
-  std::memcpy(out.data_ptr(), static_cast<const uint8_t*>(t.data_ptr()) + first * row_bytes, count * row_bytes);
+  std::memcpy(out.data_ptr(), static_cast<const uint8_t*>(t.data_ptr()) + first * row_bytes,
+              count * row_bytes);
   return out;
 }
 

@@ -30,15 +30,17 @@ Status validate_layout(const Config& cfg, int world_size) {
   if (!st) return st;
   const std::string layout = fmt::format("tp={} cp={} ep={} dp={} pp={}", p.tp, p.cp, p.ep, p.dp, p.pp);
   if (p.pp > 1 || p.cp > 1 || p.ep > 1)
-    return Status::error("layout " + layout + ": pipeline, context and expert parallelism are not available yet");
+    return Status::error("layout " + layout +
+                         ": pipeline, context and expert parallelism are not available yet");
   const int64_t per_rank = cfg.train.global_batch / p.dp;
   const int64_t mbs = cfg.train.micro_batch > 0 ? cfg.train.micro_batch : per_rank;
   if (per_rank % mbs != 0)
-    return Status::error(fmt::format("train.micro_batch={} does not divide the {} samples per DP rank ({})", mbs,
-                                     per_rank, layout));
+    return Status::error(fmt::format("train.micro_batch={} does not divide the {} samples per DP rank ({})",
+                                     mbs, per_rank, layout));
   if (p.sequence_parallel && (mbs * cfg.data.seq_len) % p.tp != 0)
-    return Status::error(fmt::format("sequence parallel: micro_batch {} x seq_len {} tokens not divisible by tp={}",
-                                     mbs, cfg.data.seq_len, p.tp));
+    return Status::error(
+        fmt::format("sequence parallel: micro_batch {} x seq_len {} tokens not divisible by tp={}", mbs,
+                    cfg.data.seq_len, p.tp));
   return Status::ok();
 }
 

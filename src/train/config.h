@@ -22,7 +22,7 @@ struct ModelConfig {
   int64_t max_seq_len = 256;    // learned-position table size (gpt2) and the longest sequence accepted
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
-  int tie_embeddings = -1;      // -1: style default (gpt2 tied, llama untied); 0/1 force
+  int tie_embeddings = -1;  // -1: style default (gpt2 tied, llama untied); 0/1 force
   double init_std = 0.02;
   // Derived, filled by finalize(): head_dim, effective kv heads / d_ff / tying.
   int64_t head_dim() const { return d_model / n_heads; }
@@ -33,31 +33,31 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string task = "addition";  // "addition" | "lm" (embedded synthetic), "shards", "sft"
-  std::string path;               // shards: file or directory of .bin shards; sft: a .jsonl file
-  std::string val_path;           // optional held-out data for validation loss (shards/sft)
-  std::string tokenizer = "byte"; // "byte" or a path to a SentencePiece .model file
-  int64_t seq_len = 64;           // tokens per sample (after which samples are cut / padded)
-  int64_t addition_digits = 3;    // addition task: operands have 1..addition_digits digits
-  int64_t seed = 1234;            // data order / generation seed (independent of the init seed)
+  std::string task = "addition";   // "addition" | "lm" (embedded synthetic), "shards", "sft"
+  std::string path;                // shards: file or directory of .bin shards; sft: a .jsonl file
+  std::string val_path;            // optional held-out data for validation loss (shards/sft)
+  std::string tokenizer = "byte";  // "byte" or a path to a SentencePiece .model file
+  int64_t seq_len = 64;            // tokens per sample (after which samples are cut / padded)
+  int64_t addition_digits = 3;     // addition task: operands have 1..addition_digits digits
+  int64_t seed = 1234;             // data order / generation seed (independent of the init seed)
 };
 
 struct TrainConfig {
-  int64_t seed = 42;              // parameter init seed
+  int64_t seed = 42;  // parameter init seed
   int64_t steps = 1000;
-  int64_t global_batch = 32;      // samples per optimizer step, over all DP ranks and microbatches
-  int64_t micro_batch = 0;        // samples per microbatch per DP rank; 0 = global_batch / dp
+  int64_t global_batch = 32;  // samples per optimizer step, over all DP ranks and microbatches
+  int64_t micro_batch = 0;    // samples per microbatch per DP rank; 0 = global_batch / dp
   double lr = 1e-3;
-  double min_lr = 1e-4;           // cosine floor
+  double min_lr = 1e-4;  // cosine floor
   int64_t warmup_steps = 50;
   double beta1 = 0.9, beta2 = 0.95, adam_eps = 1e-8;
-  double weight_decay = 0.1;      // applied to matrices only (not norms, biases)
-  double grad_clip = 1.0;         // global norm; 0 disables
+  double weight_decay = 0.1;  // applied to matrices only (not norms, biases)
+  double grad_clip = 1.0;     // global norm; 0 disables
   int64_t log_every = 10;
-  int64_t eval_every = 0;         // 0: only at the end
-  int64_t eval_samples = 200;     // held-out problems for exact-match / validation loss
+  int64_t eval_every = 0;                // 0: only at the end
+  int64_t eval_samples = 200;            // held-out problems for exact-match / validation loss
   std::string out_dir = "runs/default";  // metrics.jsonl, loss.svg, model.safetensors
-  int64_t max_seconds = 0;        // stop early after this wall time (0 = no limit)
+  int64_t max_seconds = 0;               // stop early after this wall time (0 = no limit)
 };
 
 struct ParallelConfig {

@@ -20,7 +20,8 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, int6
     max_len = std::max(max_len, n);
   };
   for (const Sample& s : samples) {
-    NDT_CHECK(s.tokens.size() >= 2 && s.loss_mask.size() == s.tokens.size(), "sample needs >= 2 tokens and a mask");
+    NDT_CHECK(s.tokens.size() >= 2 && s.loss_mask.size() == s.tokens.size(),
+              "sample needs >= 2 tokens and a mask");
     push_seq(s.tokens, &s.loss_mask);
   }
   const int64_t rem = static_cast<int64_t>(tokens.size()) % multiple;
@@ -41,7 +42,8 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, int6
   return mb;
 }
 
-std::vector<std::vector<int32_t>> greedy_generate(Transformer& model, const std::vector<std::vector<int32_t>>& prompts,
+std::vector<std::vector<int32_t>> greedy_generate(Transformer& model,
+                                                  const std::vector<std::vector<int32_t>>& prompts,
                                                   int64_t max_new_tokens, int32_t eos_id, int32_t pad_id,
                                                   int64_t token_multiple) {
   const size_t n = prompts.size();

@@ -17,7 +17,8 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, int6
 
 // Greedy completion of each prompt until EOS or max_new_tokens; returns the generated ids (no EOS).
 // Recomputes the full forward each token (prompts here are short; a KV cache comes with RL work).
-std::vector<std::vector<int32_t>> greedy_generate(Transformer& model, const std::vector<std::vector<int32_t>>& prompts,
+std::vector<std::vector<int32_t>> greedy_generate(Transformer& model,
+                                                  const std::vector<std::vector<int32_t>>& prompts,
                                                   int64_t max_new_tokens, int32_t eos_id, int32_t pad_id,
                                                   int64_t token_multiple = 1);
 

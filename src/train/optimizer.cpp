@@ -63,7 +63,8 @@ double Optimizer::reduce_and_clip(double clip) {
   if (tp_active) c_.tp->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
   if (active(c_.norm_extra)) c_.norm_extra->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
   const double norm = std::sqrt(ss);
-  if (clip > 0 && norm > clip) cpu::scale_inplace(g, static_cast<float>(clip / (norm + 1e-6)), own_end_ - own_begin_);
+  if (clip > 0 && norm > clip)
+    cpu::scale_inplace(g, static_cast<float>(clip / (norm + 1e-6)), own_end_ - own_begin_);
   return norm;
 }
 
@@ -78,8 +79,8 @@ void Optimizer::step(double lr) {
     const int64_t s = b - own_begin_;
     cpu::adamw_update(w + b, g + s, m_.f32() + s, v_.f32() + s, e - b, static_cast<float>(lr),
                       static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2),
-                      static_cast<float>(cfg_.adam_eps), p->weight_decay ? static_cast<float>(cfg_.weight_decay) : 0.f,
-                      step_);
+                      static_cast<float>(cfg_.adam_eps),
+                      p->weight_decay ? static_cast<float>(cfg_.weight_decay) : 0.f, step_);
   }
   if (c_.zero1 && active(c_.dp)) {
     // All-gather the updated shards into every rank's full parameter buffer.

@@ -16,8 +16,8 @@
 namespace ndt {
 
 struct OptimizerComms {
-  Communicator* dp = nullptr;        // ranks holding replicas of the same parameters (DP x CP)
-  Communicator* tp = nullptr;        // tensor-parallel group (null or size 1: none)
+  Communicator* dp = nullptr;          // ranks holding replicas of the same parameters (DP x CP)
+  Communicator* tp = nullptr;          // tensor-parallel group (null or size 1: none)
   Communicator* norm_extra = nullptr;  // further groups the grad norm sums over (pipeline stages)
   bool sequence_parallel = false;
   bool zero1 = false;
@@ -43,8 +43,8 @@ class Optimizer {
   TrainConfig cfg_;
   OptimizerComms c_;
   int64_t own_begin_ = 0, own_end_ = 0;  // range of the flat buffer this rank updates
-  Tensor m_, v_;                          // (own_end - own_begin)
-  Tensor shard_grad_;                     // ZeRO-1: reduced grad of the owned range
+  Tensor m_, v_;                         // (own_end - own_begin)
+  Tensor shard_grad_;                    // ZeRO-1: reduced grad of the owned range
   int64_t step_ = 0;
 };
 

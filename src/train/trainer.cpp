@@ -8,14 +8,16 @@
 
 namespace ndt {
 
-Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const Dataset& train, const Dataset* val)
+Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const Dataset& train,
+                 const Dataset* val)
     : cfg_(cfg), c_(comms), tok_(tok), train_(train), val_(val) {
   if (!c_.world || !c_.dp || !c_.tp) self_ = make_self_communicator();
   if (!c_.world) c_.world = self_.get();
   if (!c_.dp) c_.dp = self_.get();
   if (!c_.tp) c_.tp = self_.get();
-  NDT_CHECK(tok_.vocab_size() <= cfg_.model.vocab_size, "tokenizer {} has {} tokens but model.vocab_size is {}",
-            tok_.name(), tok_.vocab_size(), cfg_.model.vocab_size);
+  NDT_CHECK(tok_.vocab_size() <= cfg_.model.vocab_size,
+            "tokenizer {} has {} tokens but model.vocab_size is {}", tok_.name(), tok_.vocab_size(),
+            cfg_.model.vocab_size);
   model_ = std::make_unique<Transformer>(cfg_.model, StageSpec{}, c_.tp_hooks);
   model_->params().flatten(c_.dp->size());
   model_->params().init(static_cast<uint64_t>(cfg_.train.seed));
@@ -78,13 +80,15 @@ EvalStats Trainer::evaluate() {
   EvalStats ev;
   const int64_t mult = cfg_.parallel.sequence_parallel ? c_.tp->size() : 1;
   if (cfg_.data.task == "addition") {
-    auto problems = addition_eval_problems(cfg_.data.addition_digits, cfg_.data.seed, cfg_.train.eval_samples);
+    auto problems =
+        addition_eval_problems(cfg_.data.addition_digits, cfg_.data.seed, cfg_.train.eval_samples, tok_);
     ev.problems = static_cast<int64_t>(problems.size());
     ev.exact_match = exact_match(*model_, tok_, problems, cfg_.data.addition_digits + 2, *c_.dp, mult);
   }
   if (val_) {
-    ev.val_loss = validation_loss(*model_, *val_, cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
-                                  std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp, mult);
+    ev.val_loss =
+        validation_loss(*model_, *val_, cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
+                        std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp, mult);
   }
   evals_.push_back(ev);
   return ev;

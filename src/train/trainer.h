@@ -29,7 +29,7 @@ struct StepStats {
   double loss = 0;       // mean over loss-bearing tokens of the global batch
   double grad_norm = 0;  // before clipping
   double lr = 0;
-  int64_t tokens = 0;    // loss-bearing tokens in the global batch
+  int64_t tokens = 0;  // loss-bearing tokens in the global batch
   double seconds = 0;
 };
 

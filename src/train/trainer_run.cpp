@@ -14,7 +14,8 @@ namespace {
 
 void print_eval(const EvalStats& ev, int64_t step) {
   std::string line = fmt::format("eval  step {:>5}", step);
-  if (ev.exact_match >= 0) line += fmt::format(" | exact match {:.1f}% of {} held-out problems", 100 * ev.exact_match, ev.problems);
+  if (ev.exact_match >= 0)
+    line += fmt::format(" | exact match {:.1f}% of {} held-out problems", 100 * ev.exact_match, ev.problems);
   if (ev.val_loss >= 0) line += fmt::format(" | val loss {:.4f}", ev.val_loss);
   std::printf("%s\n", line.c_str());
   std::fflush(stdout);
@@ -32,8 +33,9 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
     metrics = std::make_unique<MetricsWriter>(MetricsWriter::open(tc.out_dir).value());
     std::printf("ndtrain: %s model, %lld parameters, task %s, %d rank(s) [tp=%lld dp=%lld%s%s]\n",
                 cfg_.model.style.c_str(), static_cast<long long>(count_params()), cfg_.data.task.c_str(),
-                c_.world->size(), static_cast<long long>(cfg_.parallel.tp), static_cast<long long>(cfg_.parallel.dp),
-                cfg_.parallel.sequence_parallel ? " sp" : "", cfg_.parallel.zero1 ? " zero1" : "");
+                c_.world->size(), static_cast<long long>(cfg_.parallel.tp),
+                static_cast<long long>(cfg_.parallel.dp), cfg_.parallel.sequence_parallel ? " sp" : "",
+                cfg_.parallel.zero1 ? " zero1" : "");
     std::fflush(stdout);
   }
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
@@ -59,15 +61,23 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (logger) {
       train_curve.emplace_back(step, st.loss);
-      metrics->write({{"type", "train"}, {"step", step}, {"loss", st.loss}, {"lr", st.lr}, {"grad_norm", st.grad_norm},
-                      {"loss_tokens", st.tokens}, {"step_seconds", st.seconds}, {"elapsed_seconds", elapsed}})
+      metrics
+          ->write({{"type", "train"},
+                   {"step", step},
+                   {"loss", st.loss},
+                   {"lr", st.lr},
+                   {"grad_norm", st.grad_norm},
+                   {"loss_tokens", st.tokens},
+                   {"step_seconds", st.seconds},
+                   {"elapsed_seconds", elapsed}})
           .throw_if_error();
       if (step % tc.log_every == 0 || step == tc.steps - 1) {
         const double tps = tokens_per_step * static_cast<double>(step + 1) / elapsed;
         const double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(tc.steps - step - 1);
-        std::printf("step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | elapsed %s | eta %s\n",
-                    static_cast<long long>(step), static_cast<long long>(tc.steps), st.loss, st.lr, st.grad_norm,
-                    format_count(tps).c_str(), format_duration(elapsed).c_str(), format_duration(eta).c_str());
+        std::printf(
+            "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | elapsed %s | eta %s\n",
+            static_cast<long long>(step), static_cast<long long>(tc.steps), st.loss, st.lr, st.grad_norm,
+            format_count(tps).c_str(), format_duration(elapsed).c_str(), format_duration(eta).c_str());
         std::fflush(stdout);
       }
     }
@@ -76,8 +86,9 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
     int32_t stop = tc.max_seconds > 0 && elapsed > static_cast<double>(tc.max_seconds);
     c_.world->broadcast(&stop, 1, DType::I32, 0);
     if (stop) {
-      if (logger) std::printf("stopping after %lld steps: train.max_seconds=%lld reached\n",
-                              static_cast<long long>(step + 1), static_cast<long long>(tc.max_seconds));
+      if (logger)
+        std::printf("stopping after %lld steps: train.max_seconds=%lld reached\n",
+                    static_cast<long long>(step + 1), static_cast<long long>(tc.max_seconds));
       ++step;
       break;
     }
@@ -89,7 +100,8 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
   if (logger) {
     const std::filesystem::path dir(tc.out_dir);
     save_safetensors((dir / "model.safetensors").string(), full,
-                     {{"format", "ndtrain"}, {"style", cfg_.model.style}}).throw_if_error();
+                     {{"format", "ndtrain"}, {"style", cfg_.model.style}})
+        .throw_if_error();
     write_loss_svg(train_curve, val_curve, (dir / "loss.svg").string(),
                    fmt::format("{} on {} ({} steps)", cfg_.model.style, cfg_.data.task, step))
         .throw_if_error();

@@ -26,7 +26,9 @@ Tensor CommTpHooks::all_reduce(const Tensor& t) {
 }
 
 Tensor CommTpHooks::enter_forward(const Tensor& x) { return sp_ ? gather_tokens(x) : x; }
-Tensor CommTpHooks::enter_backward(const Tensor& dx) { return sp_ ? scatter_reduce_tokens(dx) : all_reduce(dx); }
+Tensor CommTpHooks::enter_backward(const Tensor& dx) {
+  return sp_ ? scatter_reduce_tokens(dx) : all_reduce(dx);
+}
 Tensor CommTpHooks::exit_forward(const Tensor& partial) {
   return sp_ ? scatter_reduce_tokens(partial) : all_reduce(partial);
 }

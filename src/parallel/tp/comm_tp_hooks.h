@@ -21,7 +21,7 @@ class CommTpHooks : public TpHooks {
   void all_reduce_max(float* buf, int64_t n) override { tp_.all_reduce(buf, n, DType::F32, ReduceOp::Max); }
 
  private:
-  Tensor gather_tokens(const Tensor& local);     // (Tl, C) -> (T, C)
+  Tensor gather_tokens(const Tensor& local);         // (Tl, C) -> (T, C)
   Tensor scatter_reduce_tokens(const Tensor& full);  // (T, C) partial sums -> (Tl, C) reduced
   Tensor all_reduce(const Tensor& t);
 

@@ -17,7 +17,8 @@ std::vector<std::pair<std::string, Tensor>> gather_full_params(const ParamStore&
     for (int r = 0; r < tp.size(); ++r) {
       const float* src = all.f32() + r * n;
       for (int64_t i = 0; i < n; ++i)
-        full.f32()[slice_to_global_index(p->value.shape(), p->global_shape, p->shard_dim, width * r, i)] = src[i];
+        full.f32()[slice_to_global_index(p->value.shape(), p->global_shape, p->shard_dim, width * r, i)] =
+            src[i];
     }
     out.emplace_back(p->name, full);
   }
