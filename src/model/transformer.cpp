@@ -31,9 +31,9 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp)
     if (gpt2) params_.add(n + ".bias", {C}, InitKind::Zeros, 0, false);
   };
   // Column-parallel: output features split (dim 0). Row-parallel: input features split (dim 1).
-  auto col = [&](const std::string& n, int64_t out, float s) {
+  auto col = [&](const std::string& n, int64_t out, float s, bool with_bias = true) {
     params_.add(n + ".weight", {out, C}, InitKind::Normal, s, true, 0, tps, r);
-    if (gpt2) params_.add(n + ".bias", {out}, InitKind::Zeros, 0, false, 0, tps, r);
+    if (gpt2 && with_bias) params_.add(n + ".bias", {out}, InitKind::Zeros, 0, false, 0, tps, r);
   };
   auto row = [&](const std::string& n, int64_t in, float s) {
     params_.add(n + ".weight", {C, in}, InitKind::Normal, s, true, 1, tps, r);
@@ -48,7 +48,9 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp)
     const std::string pre = lp(l);
     norm(pre + "attn_norm");
     col(pre + "attn.wq", H * D, std);
-    col(pre + "attn.wk", KV * D, std);
+    // No key bias: q.(k + b) shifts all of a query's scores by the same constant, which softmax
+    // ignores, so its gradient is exactly zero and Adam would only amplify rounding noise into it.
+    col(pre + "attn.wk", KV * D, std, /*with_bias=*/false);
     col(pre + "attn.wv", KV * D, std);
     row(pre + "attn.wo", H * D, proj_std);
     norm(pre + "mlp_norm");
