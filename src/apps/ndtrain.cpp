@@ -27,6 +27,13 @@ int main(int argc, char** argv) {
   try {
     for (auto& [sub, run] : runners)
       if (sub->parsed()) return run(*world);
+  } catch (const ndt::AgreedError& e) {
+    // Every rank has the same message (bad config, data file or layout) and exits cleanly: no abort.
+    if (world->size() == 1)
+      std::fprintf(stderr, "ndtrain: error: %s\n", e.what());
+    else
+      std::fprintf(stderr, "ndtrain [rank %d/%d]: error: %s\n", world->rank(), world->size(), e.what());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ndtrain: error%s: %s\n",
                  world->size() > 1 ? (" on rank " + std::to_string(world->rank())).c_str() : "", e.what());

@@ -5,7 +5,10 @@
 
 namespace ndt::app {
 
-void agree_or_throw(const Status& local, Communicator& world) { agree(local, world).throw_if_error(); }
+void agree_or_throw(const Status& local, Communicator& world) {
+  Status st = agree(local, world);
+  if (!st) throw AgreedError(st.message());
+}
 
 RunSetup load_run(Communicator& world, const std::string& config_path,
                   const std::vector<std::string>& overrides) {

@@ -15,6 +15,13 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// An error every rank of the job already knows about (agreed through a collective): each rank can
+// stop on its own, with no need to abort the others.
+class AgreedError : public Error {
+ public:
+  using Error::Error;
+};
+
 [[noreturn]] void check_failed(const char* file, int line, const char* cond, const std::string& msg);
 
 }  // namespace ndt

@@ -30,6 +30,7 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key) {
 }
 
 Status agree(const Status& local, Communicator& comm) {
+  if (comm.size() == 1) return local;
   // 1) the lowest failing rank (size() when every rank is fine); 2) that rank broadcasts its message.
   int32_t failing = local.is_ok() ? comm.size() : comm.rank();
   comm.all_reduce(&failing, 1, DType::I32, ReduceOp::Min);
