@@ -88,7 +88,8 @@ class MpiSession {
 
 // Error agreement at boundaries: every rank passes its local status; all ranks get back the same
 // status (the error of the lowest failing rank, message prefixed with "rank N: "), so that all of
-// them stop together instead of leaving some waiting in a collective.
+// them stop together instead of leaving some waiting in a collective. On a one-rank communicator the
+// status comes back unchanged (no prefix).
 Status agree(const Status& local, Communicator& comm);
 
 }  // namespace ndt

@@ -96,6 +96,7 @@ struct TraceEvent {
 std::string chrome_trace_json(const std::vector<TraceEvent>& events);
 
 // Compute actions as events named like "F3.c1"; comm batches that waited appear as "wait ..." events.
-std::string schedule_to_chrome_trace(const Schedule& s, const ScheduleStats& stats, double us_per_tick = 1000.0);
+std::string schedule_to_chrome_trace(const Schedule& s, const ScheduleStats& stats,
+                                     double us_per_tick = 1000.0);
 
 }  // namespace ndt::pp
