@@ -46,7 +46,7 @@ Runner add_generate(CLI::App& app) {
       ids.insert(ids.end(), body.begin(), body.end());
       prompts.push_back(ids);
     }
-    auto out = greedy_generate(model, prompts, o->max_new_tokens, tok->eos_id(), tok->pad_id());
+    auto out = greedy_generate(argmax_fn(model), prompts, o->max_new_tokens, tok->eos_id(), tok->pad_id());
     for (size_t i = 0; i < out.size(); ++i)
       std::printf("%s%s\n", o->prompts[i].c_str(), tok->decode(out[i]).c_str());
     return 0;

@@ -11,11 +11,15 @@ Runner add_train(CLI::App& app) {
   auto sets = std::make_shared<std::vector<std::string>>();
   cmd->add_option("-c,--config", *config, "YAML config file (see configs/)")->required();
   cmd->add_option("--set", *sets, "Override config keys: --set train.steps=100 model.n_layers=4");
-  return [config, sets](Communicator& world) {
+  auto trace = std::make_shared<std::string>();
+  cmd->add_option("--trace", *trace,
+                  "Write a Chrome trace (JSON) of steps 1-3: forward/backward/send/recv per rank");
+  return [config, sets, trace](Communicator& world) {
     RunSetup s = load_run(world, *config, *sets);
     auto layout = Layout::create(s.cfg, world);
     agree_or_throw(layout.status(), world);
     Trainer trainer(s.cfg, layout.value()->comms(), *s.tok, *s.train, s.val.get());
+    if (!trace->empty()) trainer.set_trace(*trace);
     trainer.run();
     return 0;
   };

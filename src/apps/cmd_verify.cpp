@@ -58,7 +58,7 @@ Runner add_verify(CLI::App& app) {
       par.train_step(i);
     }
     RunComms pc = layout.value()->comms();
-    auto par_w = gather_full_params(par.model().params(), *pc.tp);
+    auto par_w = gather_full_params(par.params(), *pc.tp);
 
     bool ok = true;
     const bool logger = world.rank() == 0;
@@ -79,8 +79,10 @@ Runner add_verify(CLI::App& app) {
     }
     double worst = 0;
     std::string worst_name;
+    int64_t covered = 0;  // parameters checked here, each counted once over pipeline stages
     for (const auto& [name, w] : par_w) {
-      const Param* rp = ref.model().params().find(name);
+      covered += par.params().get(name).count_in_norm;
+      const Param* rp = ref.params().find(name);
       NDT_CHECK(rp != nullptr && rp->value.numel() == w.numel(),
                 "layout has parameter {} that the reference lacks", name);
       const double d = weight_rel_diff(w, rp->value);
@@ -89,11 +91,18 @@ Runner add_verify(CLI::App& app) {
         worst_name = name;
       }
     }
-    ok = ok && par_w.size() == ref.model().params().all().size() && worst <= o->tol_weights;
-    if (logger)
+    pc.pp->all_reduce(&covered, 1, DType::I64, ReduceOp::Sum);
+    const double local_worst = worst;
+    world.all_reduce(&worst, 1, DType::F64, ReduceOp::Max);
+    ok = ok && covered == static_cast<int64_t>(ref.params().all().size()) && worst <= o->tol_weights;
+    if (logger) {
+      const std::string where = local_worst == worst ? " (" + worst_name + ")" : "";
       std::printf(
-          "weights after %lld steps: max ||w - w_ref||_inf / ||w_ref||_inf = %.2e (%s), tolerance %.1e\n",
-          static_cast<long long>(o->steps), worst, worst_name.c_str(), o->tol_weights);
+          "weights after %lld steps, %lld tensors: max ||w - w_ref||_inf / ||w_ref||_inf = %.2e%s, "
+          "tolerance %.1e\n",
+          static_cast<long long>(o->steps), static_cast<long long>(covered), worst, where.c_str(),
+          o->tol_weights);
+    }
     // Every rank checked its own copy; the layout passes only if all of them did.
     int32_t all_ok = ok;
     world.all_reduce(&all_ok, 1, DType::I32, ReduceOp::Min);

@@ -21,6 +21,9 @@ struct Param {
   // are partial sums under sequence parallelism and are reduced over TP; the grad norm counts them once.
   bool tp_replicated = true;
   bool weight_decay = false;  // matrices decay; norms and biases do not
+  // False for a second copy of a parameter held elsewhere too (the tied embedding on the last pipeline
+  // stage): the global grad norm counts each parameter once.
+  bool count_in_norm = true;
   InitKind init = InitKind::Normal;
   float init_std = 0.02f;
   Tensor value;  // local slice

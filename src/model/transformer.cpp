@@ -8,8 +8,9 @@
 
 namespace ndt {
 
-Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp)
-    : cfg_(cfg), stage_(stage), tp_(tp ? tp : &default_tp_) {
+Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, ParamStore* store)
+    : cfg_(cfg), stage_(stage), tp_(tp ? tp : &default_tp_), ps_(store ? store : &own_params_) {
+  ParamStore& params_ = *ps_;
   if (stage_.last_layer < 0) stage_.last_layer = cfg_.n_layers;
   const int64_t tps = tp_->size(), r = tp_->rank();
   const int64_t C = cfg_.d_model, D = cfg_.head_dim(), H = cfg_.n_heads, KV = cfg_.kv_heads(),
@@ -70,7 +71,7 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp)
 }
 
 const Tensor* Transformer::bias(const std::string& name) {
-  Param* b = params_.find(name);
+  Param* b = ps_->find(name);
   return b ? &b->value : nullptr;
 }
 
@@ -155,7 +156,7 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
   const float theta = static_cast<float>(cfg_.rope_theta);
   // MLP branch: out = h + exit(act @ W2^T) (+ bias).
   Tensor dh = dout.clone();
-  if (Param* b = params_.find(pre + "mlp.proj.bias")) ops::bias_backward(b->grad, dout);
+  if (Param* b = ps_->find(pre + "mlp.proj.bias")) ops::bias_backward(b->grad, dout);
   Tensor dm = tp_->exit_backward(dout);  // (T, C)
   Tensor dact = Tensor::zeros({T, ffn_local_});
   Tensor dm_in = Tensor::zeros({T, C});
@@ -181,7 +182,7 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
 
   // Attention branch: h = x + exit(att @ Wo^T) (+ bias).
   Tensor dx = dh.clone();
-  if (Param* b = params_.find(pre + "attn.wo.bias")) ops::bias_backward(b->grad, dh);
+  if (Param* b = ps_->find(pre + "attn.wo.bias")) ops::bias_backward(b->grad, dh);
   Tensor do_full = tp_->exit_backward(dh);
   Tensor datt = Tensor::zeros({T, heads_local_, D});
   Param& wo = p(pre + "attn.wo.weight");
@@ -198,7 +199,7 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
   for (auto [name, d] :
        {std::pair<const char*, Tensor*>{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}}) {
     Param& w = p(pre + name + ".weight");
-    Param* b = params_.find(pre + name + ".bias");
+    Param* b = ps_->find(pre + name + ".bias");
     ops::linear_backward(&da_in, w.grad, b ? &b->grad : nullptr, *d, a.a_in, w.value);
   }
   Tensor dn1 = tp_->enter_backward(da_in);

@@ -50,10 +50,11 @@ struct Activations {
 class Transformer {
  public:
   // tp may be null (one rank). Parameters are registered with TP shapes but not initialized: call
-  // params().init(seed).
-  Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp);
+  // params().init(seed). `store`, when given, receives the parameters instead of an own store, so the
+  // model chunks a pipeline rank holds can share one store (and one optimizer).
+  Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, ParamStore* store = nullptr);
 
-  ParamStore& params() { return params_; }
+  ParamStore& params() { return *ps_; }
   const ModelConfig& config() const { return cfg_; }
   const StageSpec& stage() const { return stage_; }
   int64_t local_vocab() const { return vocab_local_; }
@@ -78,7 +79,7 @@ class Transformer {
   void norm_forward(const std::string& prefix, const Tensor& x, Tensor& out, Tensor& mean, Tensor& rstd);
   void norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x,
                      const Tensor& mean, const Tensor& rstd);
-  Param& p(const std::string& name) { return params_.get(name); }
+  Param& p(const std::string& name) { return ps_->get(name); }
   const Tensor* bias(const std::string& name);
   std::string lp(int64_t l) const { return "layers." + std::to_string(l) + "."; }
 
@@ -86,7 +87,8 @@ class Transformer {
   StageSpec stage_;
   TpHooks default_tp_;
   TpHooks* tp_;
-  ParamStore params_;
+  ParamStore own_params_;
+  ParamStore* ps_;
   int64_t heads_local_, kv_local_, ffn_local_, vocab_local_, vocab_start_;
 };
 

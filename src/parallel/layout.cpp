@@ -1,5 +1,7 @@
 #include "parallel/layout.h"
 
+#include "parallel/pp/schedule.h"
+
 namespace ndt {
 namespace {
 
@@ -29,14 +31,24 @@ Status validate_layout(const Config& cfg, int world_size) {
   Status st = Grid::validate(world_size, spec_of(p), div_of(cfg));
   if (!st) return st;
   const std::string layout = fmt::format("tp={} cp={} ep={} dp={} pp={}", p.tp, p.cp, p.ep, p.dp, p.pp);
-  if (p.pp > 1 || p.cp > 1 || p.ep > 1)
-    return Status::error("layout " + layout +
-                         ": pipeline, context and expert parallelism are not available yet");
+  if (p.cp > 1 || p.ep > 1)
+    return Status::error("layout " + layout + ": context and expert parallelism are not available yet");
+  if (p.virtual_stages > 1 && p.pp == 1)
+    return Status::error(
+        fmt::format("parallel.virtual_stages={} needs pp > 1 ({})", p.virtual_stages, layout));
   const int64_t per_rank = cfg.train.global_batch / p.dp;
   const int64_t mbs = cfg.train.micro_batch > 0 ? cfg.train.micro_batch : per_rank;
   if (per_rank % mbs != 0)
     return Status::error(fmt::format("train.micro_batch={} does not divide the {} samples per DP rank ({})",
                                      mbs, per_rank, layout));
+  if (p.pp > 1) {
+    const std::string kind = p.virtual_stages > 1 ? "interleaved" : p.schedule;
+    auto sched = pp::make_schedule(kind, static_cast<int>(p.pp), static_cast<int>(p.virtual_stages),
+                                   static_cast<int>(per_rank / mbs));
+    if (!sched)
+      return Status::error(sched.status().message() + " (microbatches per step = samples per DP rank / " +
+                           "train.micro_batch; " + layout + ")");
+  }
   if (p.sequence_parallel && (mbs * cfg.data.seq_len) % p.tp != 0)
     return Status::error(
         fmt::format("sequence parallel: micro_batch {} x seq_len {} tokens not divisible by tp={}", mbs,
@@ -62,6 +74,7 @@ RunComms Layout::comms() {
   c.world = world_;
   c.dp = &grid_->comm({"dp"});
   c.tp = &grid_->comm({"tp"});
+  c.pp = &grid_->comm({"pp"});
   c.tp_hooks = tp_hooks_.get();
   return c;
 }

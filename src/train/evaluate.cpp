@@ -42,7 +42,7 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, int6
   return mb;
 }
 
-std::vector<std::vector<int32_t>> greedy_generate(Transformer& model,
+std::vector<std::vector<int32_t>> greedy_generate(const ArgmaxFn& model,
                                                   const std::vector<std::vector<int32_t>>& prompts,
                                                   int64_t max_new_tokens, int32_t eos_id, int32_t pad_id,
                                                   int64_t token_multiple) {
@@ -59,11 +59,9 @@ std::vector<std::vector<int32_t>> greedy_generate(Transformer& model,
       seqs[i].loss_mask.assign(seqs[i].tokens.size(), 0);
     }
     Microbatch mb = pack_samples(seqs, pad_id, token_multiple);
-    Activations acts;
-    model.forward(mb, Tensor(), acts);
     std::vector<int64_t> rows(n);
     for (size_t i = 0; i < n; ++i) rows[i] = mb.cu_seqlens.i32()[i + 1] - 1;
-    std::vector<int32_t> next = model.argmax_rows(acts, rows);
+    std::vector<int32_t> next = model(mb, rows);
     bool all_done = true;
     for (size_t i = 0; i < n; ++i) {
       if (done[i]) continue;
@@ -79,6 +77,22 @@ std::vector<std::vector<int32_t>> greedy_generate(Transformer& model,
   return out;
 }
 
+ArgmaxFn argmax_fn(Transformer& model) {
+  return [&model](const Microbatch& mb, const std::vector<int64_t>& rows) {
+    Activations acts;
+    model.forward(mb, Tensor(), acts);
+    return model.argmax_rows(acts, rows);
+  };
+}
+
+LossFn loss_fn(Transformer& model) {
+  return [&model](const Microbatch& mb) {
+    Activations acts;
+    model.forward(mb, Tensor(), acts);
+    return model.loss_sum(mb, acts);
+  };
+}
+
 namespace {
 // This DP rank's contiguous block of [0, n).
 std::pair<int64_t, int64_t> dp_block(int64_t n, Communicator& dp) {
@@ -88,7 +102,7 @@ std::pair<int64_t, int64_t> dp_block(int64_t n, Communicator& dp) {
 }
 }  // namespace
 
-double exact_match(Transformer& model, const Tokenizer& tok, const std::vector<EvalProblem>& problems,
+double exact_match(const ArgmaxFn& model, const Tokenizer& tok, const std::vector<EvalProblem>& problems,
                    int64_t max_new_tokens, Communicator& dp, int64_t token_multiple) {
   auto [b, e] = dp_block(static_cast<int64_t>(problems.size()), dp);
   std::vector<std::vector<int32_t>> prompts;
@@ -103,7 +117,7 @@ double exact_match(Transformer& model, const Tokenizer& tok, const std::vector<E
   return problems.empty() ? 0.0 : static_cast<double>(correct) / static_cast<double>(problems.size());
 }
 
-double validation_loss(Transformer& model, const Dataset& data, int64_t n, int64_t seq_len, int32_t pad_id,
+double validation_loss(const LossFn& model, const Dataset& data, int64_t n, int64_t seq_len, int32_t pad_id,
                        int64_t batch, Communicator& dp, int64_t token_multiple) {
   if (data.size() >= 0) n = std::min(n, data.size());
   auto [b, e] = dp_block(n, dp);
@@ -119,9 +133,7 @@ double validation_loss(Transformer& model, const Dataset& data, int64_t n, int64
       samples.push_back(std::move(s));
     }
     Microbatch mb = pack_samples(samples, pad_id, token_multiple);
-    Activations acts;
-    model.forward(mb, Tensor(), acts);
-    sums[0] += model.loss_sum(mb, acts);
+    sums[0] += model(mb);
     sums[1] += static_cast<double>(mb.num_loss_tokens);
   }
   dp.all_reduce(sums, 2, DType::F64, ReduceOp::Sum);

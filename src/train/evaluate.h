@@ -1,6 +1,7 @@
 #pragma once
 // Evaluation: greedy generation with exact-match scoring, and validation loss.
 // Both are collective over the TP group (vocab-parallel argmax/softmax) and split problems over DP.
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -15,20 +16,27 @@ namespace ndt {
 // `multiple` (sequence parallelism); it bears no loss.
 Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, int64_t multiple = 1);
 
+// How evaluation runs the model: greedy next tokens at given rows, and the loss sum of a microbatch.
+// Collective over the model's TP (and PP) groups; argmax_fn/loss_fn adapt a single Transformer.
+using ArgmaxFn = std::function<std::vector<int32_t>(const Microbatch&, const std::vector<int64_t>&)>;
+using LossFn = std::function<double(const Microbatch&)>;
+ArgmaxFn argmax_fn(Transformer& model);
+LossFn loss_fn(Transformer& model);
+
 // Greedy completion of each prompt until EOS or max_new_tokens; returns the generated ids (no EOS).
 // Recomputes the full forward each token (prompts here are short; a KV cache comes with RL work).
-std::vector<std::vector<int32_t>> greedy_generate(Transformer& model,
+std::vector<std::vector<int32_t>> greedy_generate(const ArgmaxFn& model,
                                                   const std::vector<std::vector<int32_t>>& prompts,
                                                   int64_t max_new_tokens, int32_t eos_id, int32_t pad_id,
                                                   int64_t token_multiple = 1);
 
 // Fraction of problems whose greedy completion decodes exactly to the answer. Problems are split over
 // dp (contiguous blocks); the count is summed over dp.
-double exact_match(Transformer& model, const Tokenizer& tok, const std::vector<EvalProblem>& problems,
+double exact_match(const ArgmaxFn& model, const Tokenizer& tok, const std::vector<EvalProblem>& problems,
                    int64_t max_new_tokens, Communicator& dp, int64_t token_multiple = 1);
 
 // Mean token loss over samples [0, n) of a dataset (split over dp, summed exactly).
-double validation_loss(Transformer& model, const Dataset& data, int64_t n, int64_t seq_len, int32_t pad_id,
+double validation_loss(const LossFn& model, const Dataset& data, int64_t n, int64_t seq_len, int32_t pad_id,
                        int64_t batch, Communicator& dp, int64_t token_multiple = 1);
 
 }  // namespace ndt

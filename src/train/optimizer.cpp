@@ -54,7 +54,7 @@ double Optimizer::reduce_and_clip(double clip) {
   // Sum of squares: elements of TP-replicated params count on TP rank 0 only.
   double ss = 0;
   for (auto& p : params_.all()) {
-    if (p->tp_replicated && tp_active && c_.tp->rank() != 0) continue;
+    if (!p->count_in_norm || (p->tp_replicated && tp_active && c_.tp->rank() != 0)) continue;
     const int64_t b = std::max(params_.offset_of(*p), own_begin_);
     const int64_t e = std::min(params_.offset_of(*p) + p->numel(), own_end_);
     if (b < e) ss += cpu::sum_squares(g + (b - own_begin_), e - b);

@@ -11,22 +11,22 @@ namespace ndt {
 Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const Dataset& train,
                  const Dataset* val)
     : cfg_(cfg), c_(comms), tok_(tok), train_(train), val_(val) {
-  if (!c_.world || !c_.dp || !c_.tp) self_ = make_self_communicator();
-  if (!c_.world) c_.world = self_.get();
-  if (!c_.dp) c_.dp = self_.get();
-  if (!c_.tp) c_.tp = self_.get();
+  if (!c_.world || !c_.dp || !c_.tp || !c_.pp) self_ = make_self_communicator();
+  for (Communicator** c : {&c_.world, &c_.dp, &c_.tp, &c_.pp})
+    if (!*c) *c = self_.get();
   NDT_CHECK(tok_.vocab_size() <= cfg_.model.vocab_size,
             "tokenizer {} has {} tokens but model.vocab_size is {}", tok_.name(), tok_.vocab_size(),
             cfg_.model.vocab_size);
-  model_ = std::make_unique<Transformer>(cfg_.model, StageSpec{}, c_.tp_hooks);
-  model_->params().flatten(c_.dp->size());
-  model_->params().init(static_cast<uint64_t>(cfg_.train.seed));
+  engine_ = std::make_unique<PipelineEngine>(cfg_, *c_.pp, c_.tp_hooks);
+  engine_->params().flatten(c_.dp->size());
+  engine_->params().init(static_cast<uint64_t>(cfg_.train.seed));
   OptimizerComms oc;
   oc.dp = c_.dp;
   oc.tp = c_.tp;
+  oc.norm_extra = c_.pp;
   oc.sequence_parallel = cfg_.parallel.sequence_parallel;
   oc.zero1 = cfg_.parallel.zero1;
-  opt_ = std::make_unique<Optimizer>(model_->params(), cfg_.train, oc);
+  opt_ = std::make_unique<Optimizer>(engine_->params(), cfg_.train, oc);
 }
 
 std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
@@ -55,14 +55,19 @@ StepStats Trainer::train_step(int64_t step) {
   NDT_CHECK(n_tokens > 0, "step {}: the global batch has no loss-bearing tokens", step);
   const float scale = 1.0f / static_cast<float>(n_tokens);
 
-  model_->params().zero_grad();
-  double loss_sum = 0;
-  for (const auto& mb : mbs) {
-    Activations acts;
-    model_->forward(mb, Tensor(), acts);
-    loss_sum += model_->loss_sum(mb, acts);
-    model_->backward(mb, Tensor(), scale, acts);
+  engine_->params().zero_grad();
+  const bool tracing = !trace_path_.empty() && step >= 1 && step <= 3;
+  const double t0_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  double loss_sum = engine_->train(mbs, scale, tracing ? &trace_ : nullptr, t0_us);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (step > 0) {  // step 0 includes one-time allocation
+    compute_s_ += engine_->last_compute_seconds();
+    step_s_ += wall;
   }
+  theory_bubble_ = engine_->theoretical_bubble(static_cast<int>(mbs.size()));
+  engine_->sync_tied_grads();
+  c_.pp->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);  // only the last stage holds a loss
   c_.dp->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);
   StepStats st;
   st.step = step;
@@ -83,11 +88,15 @@ EvalStats Trainer::evaluate() {
     auto problems =
         addition_eval_problems(cfg_.data.addition_digits, cfg_.data.seed, cfg_.train.eval_samples, tok_);
     ev.problems = static_cast<int64_t>(problems.size());
-    ev.exact_match = exact_match(*model_, tok_, problems, cfg_.data.addition_digits + 2, *c_.dp, mult);
+    ArgmaxFn fn = [this](const Microbatch& mb, const std::vector<int64_t>& rows) {
+      return engine_->argmax(mb, rows);
+    };
+    ev.exact_match = exact_match(fn, tok_, problems, cfg_.data.addition_digits + 2, *c_.dp, mult);
   }
   if (val_) {
     ev.val_loss =
-        validation_loss(*model_, *val_, cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
+        validation_loss([this](const Microbatch& mb) { return engine_->loss_sum(mb); }, *val_,
+                        cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
                         std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp, mult);
   }
   evals_.push_back(ev);

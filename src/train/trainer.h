@@ -11,6 +11,7 @@
 #include "data/dataset.h"
 #include "dist/communicator.h"
 #include "model/transformer.h"
+#include "parallel/pp/pipeline.h"
 #include "train/config.h"
 #include "train/optimizer.h"
 
@@ -21,6 +22,7 @@ struct RunComms {
   Communicator* world = nullptr;
   Communicator* dp = nullptr;  // data-parallel replicas (gradients and token counts reduced here)
   Communicator* tp = nullptr;
+  Communicator* pp = nullptr;   // pipeline stages (P2P, loss and grad-norm reductions)
   TpHooks* tp_hooks = nullptr;  // null: no tensor parallelism
 };
 
@@ -48,13 +50,18 @@ class Trainer {
   // Full run with logging, metrics, loss curve and final weights (rank 0 writes files).
   void run(std::function<void(const StepStats&)> on_step = nullptr);
 
-  Transformer& model() { return *model_; }
+  ParamStore& params() { return engine_->params(); }
+  PipelineEngine& engine() { return *engine_; }
   Optimizer& optimizer() { return *opt_; }
+  // Write a Chrome trace of steps 1..3 (forward/backward/send/recv per rank) to `path` at the end of run().
+  void set_trace(const std::string& path) { trace_path_ = path; }
   const std::vector<StepStats>& history() const { return history_; }
   int64_t count_params() const;
 
  private:
   std::vector<Microbatch> local_microbatches(int64_t step) const;
+  void gather_pipeline_params(std::vector<std::pair<std::string, Tensor>>& full, Communicator& pp);
+  void report_pipeline(bool logger);
 
   Config cfg_;
   RunComms c_;
@@ -62,7 +69,11 @@ class Trainer {
   const Tokenizer& tok_;
   const Dataset& train_;
   const Dataset* val_;
-  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<PipelineEngine> engine_;
+  std::string trace_path_;
+  std::vector<pp::TraceEvent> trace_;
+  double compute_s_ = 0, step_s_ = 0;  // summed over steps, for the measured pipeline bubble
+  double theory_bubble_ = 0;
   std::unique_ptr<Optimizer> opt_;
   std::vector<StepStats> history_;
   std::vector<EvalStats> evals_;

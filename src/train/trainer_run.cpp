@@ -23,19 +23,95 @@ void print_eval(const EvalStats& ev, int64_t step) {
 
 }  // namespace
 
+void Trainer::gather_pipeline_params(std::vector<std::pair<std::string, Tensor>>& full, Communicator& pp) {
+  // Stage q > 0 sends its (name, shape, data) triples to stage 0, which appends the ones it lacks.
+  if (pp.size() == 1) return;
+  if (pp.rank() > 0) {
+    int64_t n = static_cast<int64_t>(full.size());
+    pp.send(&n, 1, DType::I64, 0, 7);
+    for (auto& [name, t] : full) {
+      int64_t hdr[2] = {static_cast<int64_t>(name.size()), t.dim()};
+      pp.send(hdr, 2, DType::I64, 0, 7);
+      std::vector<int32_t> chars(name.begin(), name.end());
+      pp.send(chars.data(), hdr[0], DType::I32, 0, 7);
+      pp.send(t.shape().data(), t.dim(), DType::I64, 0, 7);
+      pp.send(t.data_ptr(), t.numel(), DType::F32, 0, 7);
+    }
+    return;
+  }
+  for (int q = 1; q < pp.size(); ++q) {
+    int64_t n = 0;
+    pp.recv(&n, 1, DType::I64, q, 7);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t hdr[2];
+      pp.recv(hdr, 2, DType::I64, q, 7);
+      std::vector<int32_t> chars(static_cast<size_t>(hdr[0]));
+      pp.recv(chars.data(), hdr[0], DType::I32, q, 7);
+      Shape shape(static_cast<size_t>(hdr[1]));
+      pp.recv(shape.data(), hdr[1], DType::I64, q, 7);
+      Tensor t = Tensor::empty(shape);
+      pp.recv(t.data_ptr(), t.numel(), DType::F32, q, 7);
+      std::string name(chars.begin(), chars.end());
+      bool have = false;
+      for (auto& e : full) have = have || e.first == name;
+      if (!have) full.emplace_back(name, t);
+    }
+  }
+}
+
+void Trainer::report_pipeline(bool logger) {
+  // Measured bubble: the share of step time a stage spends outside forward/backward, averaged over stages.
+  double sums[2] = {compute_s_, step_s_};
+  c_.pp->all_reduce(sums, 2, DType::F64, ReduceOp::Sum);
+  if (logger && sums[1] > 0 && c_.pp->size() > 1)
+    std::printf(
+        "pipeline bubble: measured %.1f%%, theoretical %.1f%% (unit-cost model, forward = backward / 2)\n",
+        100.0 * (1.0 - sums[0] / sums[1]), 100.0 * theory_bubble_);
+  if (trace_path_.empty()) return;
+  // Gather every rank's events to world rank 0 and write one Chrome trace.
+  std::vector<pp::TraceEvent> all = trace_;
+  Communicator& w = *c_.world;
+  if (w.rank() > 0) {
+    int64_t n = static_cast<int64_t>(trace_.size());
+    w.send(&n, 1, DType::I64, 0, 8);
+    for (auto& e : trace_) {
+      double v[4] = {static_cast<double>(e.rank), e.start_us, e.dur_us, static_cast<double>(e.name.size())};
+      w.send(v, 4, DType::F64, 0, 8);
+      std::vector<int32_t> chars(e.name.begin(), e.name.end());
+      w.send(chars.data(), static_cast<int64_t>(chars.size()), DType::I32, 0, 8);
+    }
+    return;
+  }
+  for (int q = 1; q < w.size(); ++q) {
+    int64_t n = 0;
+    w.recv(&n, 1, DType::I64, q, 8);
+    for (int64_t i = 0; i < n; ++i) {
+      double v[4];
+      w.recv(v, 4, DType::F64, q, 8);
+      std::vector<int32_t> chars(static_cast<size_t>(v[3]));
+      w.recv(chars.data(), static_cast<int64_t>(chars.size()), DType::I32, q, 8);
+      all.push_back({static_cast<int>(v[0]), std::string(chars.begin(), chars.end()), v[1], v[2]});
+    }
+  }
+  std::ofstream(trace_path_) << pp::chrome_trace_json(all);
+  std::printf("wrote pipeline trace %s (%zu events; open in Perfetto or chrome://tracing)\n",
+              trace_path_.c_str(), all.size());
+}
+
 void Trainer::run(std::function<void(const StepStats&)> on_step) {
   const bool logger = c_.world->rank() == 0;
   const TrainConfig& tc = cfg_.train;
   std::unique_ptr<MetricsWriter> metrics;
+  const int64_t n_params = count_params();  // collective over pp
   if (logger) {
     std::filesystem::create_directories(tc.out_dir);
     std::ofstream(std::filesystem::path(tc.out_dir) / "config.yaml") << config_to_yaml(cfg_);
     metrics = std::make_unique<MetricsWriter>(MetricsWriter::open(tc.out_dir).value());
-    std::printf("ndtrain: %s model, %lld parameters, task %s, %d rank(s) [tp=%lld dp=%lld%s%s]\n",
-                cfg_.model.style.c_str(), static_cast<long long>(count_params()), cfg_.data.task.c_str(),
-                c_.world->size(), static_cast<long long>(cfg_.parallel.tp),
-                static_cast<long long>(cfg_.parallel.dp), cfg_.parallel.sequence_parallel ? " sp" : "",
-                cfg_.parallel.zero1 ? " zero1" : "");
+    std::printf(
+        "ndtrain: %s model, %lld parameters, task %s, %d rank(s) [%s%s%s]\n", cfg_.model.style.c_str(),
+        static_cast<long long>(n_params), cfg_.data.task.c_str(), c_.world->size(),
+        fmt::format("tp={} dp={} pp={}", cfg_.parallel.tp, cfg_.parallel.dp, cfg_.parallel.pp).c_str(),
+        cfg_.parallel.sequence_parallel ? " sp" : "", cfg_.parallel.zero1 ? " zero1" : "");
     std::fflush(stdout);
   }
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
@@ -96,7 +172,9 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
   log_eval(step);
 
   // Final weights (gathered over TP) and the loss curve; one writer.
-  auto full = gather_full_params(model_->params(), *c_.tp);
+  auto full = gather_full_params(engine_->params(), *c_.tp);
+  gather_pipeline_params(full, *c_.pp);
+  report_pipeline(logger);
   if (logger) {
     const std::filesystem::path dir(tc.out_dir);
     save_safetensors((dir / "model.safetensors").string(), full,
@@ -113,7 +191,9 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
 int64_t Trainer::count_params() const {
   // Global parameter count: shards scaled back to the full tensor.
   int64_t n = 0;
-  for (const auto& p : model_->params().all()) n += shape_numel(p->global_shape);
+  for (const auto& p : engine_->params().all())
+    if (p->count_in_norm) n += shape_numel(p->global_shape);
+  c_.pp->all_reduce(&n, 1, DType::I64, ReduceOp::Sum);
   return n;
 }
 

@@ -17,6 +17,8 @@ struct Compute {
   int mb;
   int chunk;
 };
+// A step is one compute, or (interleaved steady phase) an F/B pair with no comm in between.
+using Steps = std::vector<std::vector<Compute>>;
 
 std::vector<Compute> gpipe_order(int m) {
   std::vector<Compute> out;
@@ -40,7 +42,7 @@ std::vector<Compute> one_f_one_b_order(int p, int r, int m) {
 
 // Megatron interleaved (schedules.py, m % p == 0): virtual microbatch k runs microbatch
 // (k / (p v)) * p + k % p on chunk (k % (p v)) / p; backwards visit chunks in reverse.
-std::vector<Compute> interleaved_order(int p, int v, int r, int m) {
+Steps interleaved_steps(int p, int v, int r, int m) {
   const int total = m * v;
   auto mb_of = [&](int k) { return (k / (p * v)) * p + k % p; };
   auto chunk_of = [&](int k, bool fwd) {
@@ -49,22 +51,31 @@ std::vector<Compute> interleaved_order(int p, int v, int r, int m) {
   };
   // m == p: Megatron runs all forwards first (the steady phase would need data not yet produced).
   int warmup = (m == p) ? total : std::min((p - r - 1) * 2 + (v - 1) * p, total);
-  std::vector<Compute> out;
-  for (int k = 0; k < warmup; ++k) out.push_back({true, mb_of(k), chunk_of(k, true)});
-  for (int k = 0; k < total - warmup; ++k) {
+  Steps out;
+  for (int k = 0; k < warmup; ++k) out.push_back({{true, mb_of(k), chunk_of(k, true)}});
+  for (int k = 0; k < total - warmup; ++k) {  // steady: one step = F then B, comm only around it
     const int kf = k + warmup;
-    out.push_back({true, mb_of(kf), chunk_of(kf, true)});
-    out.push_back({false, mb_of(k), chunk_of(k, false)});
+    out.push_back({{true, mb_of(kf), chunk_of(kf, true)}, {false, mb_of(k), chunk_of(k, false)}});
   }
-  for (int k = total - warmup; k < total; ++k) out.push_back({false, mb_of(k), chunk_of(k, false)});
+  for (int k = total - warmup; k < total; ++k) out.push_back({{false, mb_of(k), chunk_of(k, false)}});
   return out;
 }
 
-// Turns one rank's compute order into actions with explicit, batched communication.
-std::vector<PpAction> with_comm(const std::vector<Compute>& order, int p, int v, int r) {
+Steps single_steps(const std::vector<Compute>& order) {
+  Steps out;
+  for (const Compute& c : order) out.push_back({c});
+  return out;
+}
+
+// Turns one rank's steps into actions with explicit communication. All comm between two steps (the
+// sends of the previous step, the recvs of the next one) is one batch; a lone op stays blocking.
+// This is Megatron's pairing: send_forward_recv_backward (1F1B) and, with steps of F/B pairs,
+// send_forward_backward_recv_forward_backward (interleaved steady phase). Per-compute batches deadlock
+// for interleaving: its stage ring p-1 -> 0 lets every rank block in a send whose recv comes later.
+std::vector<PpAction> with_comm(const Steps& steps, int p, int v, int r) {
   const int last = p * v - 1;
   std::vector<PpAction> out;
-  std::vector<PpAction> gap;  // comm ops between the previous compute and the next one
+  std::vector<PpAction> gap;  // comm ops between the previous step and the next one
   int next_batch = 0;
   auto flush = [&] {
     const int id = gap.size() > 1 ? next_batch++ : -1;
@@ -74,17 +85,20 @@ std::vector<PpAction> with_comm(const std::vector<Compute>& order, int p, int v,
     }
     gap.clear();
   };
-  for (const Compute& c : order) {
-    const int s = c.chunk * p + r;
-    if (p > 1) {  // recv this compute's input (sends of the previous compute are already in `gap`)
-      if (c.forward && s > 0) gap.push_back({PpAction::RecvAct, c.mb, c.chunk, (s - 1) % p});
-      if (!c.forward && s < last) gap.push_back({PpAction::RecvGrad, c.mb, c.chunk, (s + 1) % p});
+  for (const std::vector<Compute>& step : steps) {
+    for (const Compute& c : step) {  // this step's inputs (sends of the previous step are in `gap`)
+      const int s = c.chunk * p + r;
+      if (p > 1 && c.forward && s > 0) gap.push_back({PpAction::RecvAct, c.mb, c.chunk, (s - 1) % p});
+      if (p > 1 && !c.forward && s < last) gap.push_back({PpAction::RecvGrad, c.mb, c.chunk, (s + 1) % p});
     }
     flush();
-    out.push_back({c.forward ? PpAction::Forward : PpAction::Backward, c.mb, c.chunk, -1});
-    if (p > 1) {
-      if (c.forward && s < last) gap.push_back({PpAction::SendAct, c.mb, c.chunk, (s + 1) % p});
-      if (!c.forward && s > 0) gap.push_back({PpAction::SendGrad, c.mb, c.chunk, (s - 1) % p});
+    for (const Compute& c : step) {
+      out.push_back({c.forward ? PpAction::Forward : PpAction::Backward, c.mb, c.chunk, -1});
+    }
+    for (const Compute& c : step) {
+      const int s = c.chunk * p + r;
+      if (p > 1 && c.forward && s < last) gap.push_back({PpAction::SendAct, c.mb, c.chunk, (s + 1) % p});
+      if (p > 1 && !c.forward && s > 0) gap.push_back({PpAction::SendGrad, c.mb, c.chunk, (s - 1) % p});
     }
   }
   flush();
@@ -121,10 +135,10 @@ Result<Schedule> make_schedule(const std::string& kind, int p, int v, int m) {
   }
   Schedule out(p);
   for (int r = 0; r < p; ++r) {
-    std::vector<Compute> order = kind == "gpipe"  ? gpipe_order(m)
-                                 : kind == "1f1b" ? one_f_one_b_order(p, r, m)
-                                                  : interleaved_order(p, v, r, m);
-    out[r] = with_comm(order, p, v, r);
+    Steps steps = kind == "gpipe"  ? single_steps(gpipe_order(m))
+                  : kind == "1f1b" ? single_steps(one_f_one_b_order(p, r, m))
+                                   : interleaved_steps(p, v, r, m);
+    out[r] = with_comm(steps, p, v, r);
   }
   return out;
 }

@@ -1,0 +1,174 @@
+#include "parallel/pp/pipeline.h"
+
+#include <chrono>
+
+namespace ndt {
+namespace {
+
+constexpr int kTagAct = 1, kTagGrad = 2;
+
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp)
+    : cfg_(cfg),
+      pp_(pp),
+      tp_(tp),
+      p_(pp.size()),
+      v_(static_cast<int>(cfg.parallel.virtual_stages)),
+      rank_(pp.rank()) {
+  const int64_t L = cfg_.model.n_layers, S = static_cast<int64_t>(p_) * v_;
+  NDT_CHECK(L % S == 0, "{} layers do not split evenly into pp={} x virtual_stages={} stages", L, p_, v_);
+  for (int c = 0; c < v_; ++c) {
+    const int64_t s = stage_of(c);
+    StageSpec spec{s * (L / S), (s + 1) * (L / S), s == 0, s == S - 1};
+    chunks_.push_back(std::make_unique<Transformer>(cfg_.model, spec, tp_, &store_));
+  }
+  const bool tied = cfg_.model.tied() && p_ > 1;
+  if (tied) {
+    tied_ = pp_.subgroup({0, p_ - 1});
+    // The last stage's copy of the tied table is the same parameter: count it once in the norm.
+    if (rank_ == p_ - 1) store_.get("embed.tokens.weight").count_in_norm = false;
+  }
+}
+
+int64_t PipelineEngine::local_tokens(const Microbatch& mb) const {
+  const int64_t T = mb.num_tokens();
+  return (tp_ && tp_->sequence_parallel()) ? T / tp_->size() : T;
+}
+
+double PipelineEngine::theoretical_bubble(int m) const {
+  return pp::theoretical_bubble(v_ > 1 ? "interleaved" : cfg_.parallel.schedule, p_, v_, m);
+}
+
+double PipelineEngine::train(const std::vector<Microbatch>& mbs, float loss_scale,
+                             std::vector<pp::TraceEvent>* trace, double t0_us) {
+  const int m = static_cast<int>(mbs.size());
+  const std::string kind = v_ > 1 ? "interleaved" : (p_ == 1 ? "1f1b" : cfg_.parallel.schedule);
+  auto sched = pp::make_schedule(kind, p_, v_, m);
+  sched.status().throw_if_error();
+  const std::vector<pp::PpAction>& actions = sched.value()[static_cast<size_t>(rank_)];
+  const int64_t C = cfg_.model.d_model;
+
+  using Key = std::pair<int, int>;  // (microbatch, chunk)
+  std::map<Key, Activations> acts;
+  std::map<Key, Tensor> x_in, y_out, dy_in, dx_out;
+  double loss = 0;
+  compute_s_ = 0;
+  auto buffer_for = [&](const pp::PpAction& a) -> Tensor& {
+    const Key k{a.microbatch, a.chunk};
+    switch (a.kind) {
+      case pp::PpAction::SendAct:
+        return y_out.at(k);
+      case pp::PpAction::SendGrad:
+        return dx_out.at(k);
+      case pp::PpAction::RecvAct:
+        return x_in[k] = Tensor::empty({local_tokens(mbs[a.microbatch]), C});
+      default:
+        return dy_in[k] = Tensor::empty({local_tokens(mbs[a.microbatch]), C});
+    }
+  };
+  auto record = [&](const pp::PpAction& a, double start) {
+    if (trace)
+      trace->push_back({pp_.world_ranks()[rank_], pp::to_string(a), start - t0_us, now_us() - start});
+  };
+
+  for (size_t i = 0; i < actions.size();) {
+    const pp::PpAction& a = actions[i];
+    const double start = now_us();
+    if (a.is_compute()) {
+      const Key k{a.microbatch, a.chunk};
+      Transformer& model = *chunks_[static_cast<size_t>(a.chunk)];
+      const Microbatch& mb = mbs[static_cast<size_t>(a.microbatch)];
+      if (a.kind == pp::PpAction::Forward) {
+        Tensor in = stage_of(a.chunk) == 0 ? Tensor() : x_in.at(k);
+        y_out[k] = model.forward(mb, in, acts[k]);
+        if (is_last(a.chunk)) loss += model.loss_sum(mb, acts[k]);
+        x_in.erase(k);
+      } else {
+        Tensor dy = is_last(a.chunk) ? Tensor() : dy_in.at(k);
+        dx_out[k] = model.backward(mb, dy, loss_scale, acts.at(k));
+        acts.erase(k);  // activations die with their backward (1F1B's memory bound)
+        y_out.erase(k);
+        dy_in.erase(k);
+      }
+      compute_s_ += (now_us() - start) * 1e-6;
+      record(a, start);
+      ++i;
+      continue;
+    }
+    // Communication: one action, or a run of actions sharing a batch id, posted together.
+    size_t j = i + 1;
+    if (a.batch_id >= 0)
+      while (j < actions.size() && !actions[j].is_compute() && actions[j].batch_id == a.batch_id) ++j;
+    std::vector<P2POp> ops;
+    std::vector<Key> sent_grads;
+    for (size_t q = i; q < j; ++q) {
+      const pp::PpAction& c = actions[q];
+      Tensor& buf = buffer_for(c);
+      const bool act = c.kind == pp::PpAction::SendAct || c.kind == pp::PpAction::RecvAct;
+      ops.push_back({c.is_send() ? P2POp::Send : P2POp::Recv, buf.data_ptr(), buf.numel(), DType::F32, c.peer,
+                     act ? kTagAct : kTagGrad});
+      if (c.kind == pp::PpAction::SendGrad) sent_grads.push_back({c.microbatch, c.chunk});
+    }
+    pp_.batch_p2p(ops);
+    for (const Key& k : sent_grads) dx_out.erase(k);
+    for (size_t q = i; q < j; ++q) record(actions[q], start);
+    i = j;
+  }
+  return loss;
+}
+
+void PipelineEngine::sync_tied_grads() {
+  if (!tied_) return;
+  Param& w = store_.get("embed.tokens.weight");
+  tied_->all_reduce(w.grad.data_ptr(), w.numel(), DType::F32, ReduceOp::Sum);
+}
+
+bool PipelineEngine::forward_only(const Microbatch& mb, Activations& last_acts, int* last_chunk) {
+  const int S = p_ * v_;
+  const int64_t C = cfg_.model.d_model;
+  Tensor x;
+  bool have_last = false;
+  for (int s = 0; s < S; ++s) {
+    const int owner = s % p_, c = s / p_;
+    if (owner != rank_) continue;
+    if (s > 0 && (s - 1) % p_ != rank_) {
+      x = Tensor::empty({local_tokens(mb), C});
+      pp_.recv(x.data_ptr(), x.numel(), DType::F32, (s - 1) % p_, kTagAct);
+    }
+    Activations acts;
+    x = chunks_[static_cast<size_t>(c)]->forward(mb, x, acts);
+    if (s == S - 1) {
+      last_acts = std::move(acts);
+      *last_chunk = c;
+      have_last = true;
+    } else if ((s + 1) % p_ != rank_) {
+      pp_.send(x.data_ptr(), x.numel(), DType::F32, (s + 1) % p_, kTagAct);
+    }
+  }
+  return have_last;
+}
+
+double PipelineEngine::loss_sum(const Microbatch& mb) {
+  Activations acts;
+  int c = 0;
+  double loss = forward_only(mb, acts, &c) ? chunks_[static_cast<size_t>(c)]->loss_sum(mb, acts) : 0.0;
+  pp_.broadcast(&loss, 1, DType::F64, p_ - 1);
+  return loss;
+}
+
+std::vector<int32_t> PipelineEngine::argmax(const Microbatch& mb, const std::vector<int64_t>& rows) {
+  Activations acts;
+  int c = 0;
+  std::vector<int32_t> out(rows.size());
+  if (forward_only(mb, acts, &c)) out = chunks_[static_cast<size_t>(c)]->argmax_rows(acts, rows);
+  pp_.broadcast(out.data(), static_cast<int64_t>(out.size()), DType::I32, p_ - 1);
+  return out;
+}
+
+}  // namespace ndt

@@ -1,0 +1,64 @@
+#pragma once
+// Pipeline engine: the model chunks this rank holds (virtual stage s = chunk * p + rank of L/(p*v)
+// layers each) and an executor that runs a schedule's actions (pp/schedule.h) over the pipeline
+// communicator. With p = 1 the schedule is plain gradient accumulation, so every layout uses this path.
+//
+// Microbatch metadata (token counts, cu_seqlens, positions) is never sent: every rank builds the same
+// microbatches from the same global sample indices, so each stage and TP rank knows every shape, and
+// the only P2P traffic is activations (tag 1) and gradients (tag 2), in schedule order.
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "model/transformer.h"
+#include "parallel/pp/schedule.h"
+#include "train/config.h"
+
+namespace ndt {
+
+class PipelineEngine {
+ public:
+  // Collective over pp (builds the tied-embedding group). tp may be null.
+  PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp);
+
+  ParamStore& params() { return store_; }
+  Transformer& chunk(int c) { return *chunks_.at(static_cast<size_t>(c)); }
+  int num_chunks() const { return static_cast<int>(chunks_.size()); }
+
+  // Forward and backward of all microbatches by the schedule; gradients accumulate into params().
+  // Returns this rank's part of the loss sum (last stage only; 0 elsewhere). Appends per-action
+  // timings to `trace` when given (start relative to `t0_us`).
+  double train(const std::vector<Microbatch>& mbs, float loss_scale,
+               std::vector<pp::TraceEvent>* trace = nullptr, double t0_us = 0);
+  // After train(): sums the tied embedding's gradient between the first and last stage.
+  void sync_tied_grads();
+
+  // Inference through all stages (forward only, stage order, blocking chain). Results are returned on
+  // every pipeline rank.
+  double loss_sum(const Microbatch& mb);
+  std::vector<int32_t> argmax(const Microbatch& mb, const std::vector<int64_t>& rows);
+
+  // Compute seconds of the last train() call (for the measured bubble).
+  double last_compute_seconds() const { return compute_s_; }
+  double theoretical_bubble(int m) const;
+
+ private:
+  int stage_of(int chunk) const { return chunk * p_ + rank_; }
+  bool is_last(int chunk) const { return stage_of(chunk) == p_ * v_ - 1; }
+  int64_t local_tokens(const Microbatch& mb) const;
+  // Runs the stages in order with blocking send/recv; returns the last chunk's activations on the
+  // last stage's rank (others: empty).
+  bool forward_only(const Microbatch& mb, Activations& last_acts, int* last_chunk);
+
+  Config cfg_;
+  Communicator& pp_;
+  TpHooks* tp_;
+  int p_, v_, rank_;
+  ParamStore store_;
+  std::vector<std::unique_ptr<Transformer>> chunks_;
+  std::unique_ptr<Communicator> tied_;  // pp ranks 0 and p-1, when embeddings are tied and p > 1
+  double compute_s_ = 0;
+};
+
+}  // namespace ndt
