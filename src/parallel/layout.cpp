@@ -1,5 +1,6 @@
 #include "parallel/layout.h"
 
+#include "parallel/pp/pipeline.h"
 #include "parallel/pp/schedule.h"
 
 namespace ndt {
@@ -17,7 +18,7 @@ GridDivisibility div_of(const Config& c) {
   d.n_heads = c.model.n_heads;
   d.n_kv_heads = c.model.kv_heads();
   d.vocab_size = c.model.vocab_size;
-  d.n_layers = c.model.n_layers;
+  d.n_layers = c.parallel.stage_layers.empty() ? c.model.n_layers : 0;  // uneven splits: checked below
   d.global_batch = c.train.global_batch;
   d.d_ff = c.model.ffn_dim();
   d.virtual_stages = c.parallel.virtual_stages;
@@ -41,6 +42,8 @@ Status validate_layout(const Config& cfg, int world_size) {
   if (per_rank % mbs != 0)
     return Status::error(fmt::format("train.micro_batch={} does not divide the {} samples per DP rank ({})",
                                      mbs, per_rank, layout));
+  if (auto b = stage_boundaries(p, cfg.model.n_layers); !b)
+    return Status::error(b.status().message() + " (" + layout + ")");
   if (p.pp > 1) {
     const std::string kind = p.virtual_stages > 1 ? "interleaved" : p.schedule;
     auto sched = pp::make_schedule(kind, static_cast<int>(p.pp), static_cast<int>(p.virtual_stages),

@@ -139,6 +139,7 @@ const std::vector<KeyDef>& schema() {
       bool_key("parallel.zero1", p(&P::zero1)),
       int_key("parallel.virtual_stages", 1, 1024, p(&P::virtual_stages)),
       str_key("parallel.schedule", {"1f1b", "interleaved", "gpipe"}, p(&P::schedule)),
+      str_key("parallel.stage_layers", {}, p(&P::stage_layers)),  // checked against the layout
   };
   return rows;
 }

@@ -67,6 +67,8 @@ struct ParallelConfig {
   bool zero1 = false;
   int64_t virtual_stages = 1;
   std::string schedule = "1f1b";
+  // Layers per virtual stage in stage order, comma-separated ("3,5" for pp=2); empty = even split.
+  std::string stage_layers;
 };
 
 struct Config {

@@ -1,6 +1,7 @@
 #include "parallel/pp/pipeline.h"
 
 #include <chrono>
+#include <cstdlib>
 
 namespace ndt {
 namespace {
@@ -14,6 +15,41 @@ double now_us() {
 
 }  // namespace
 
+Result<std::vector<int64_t>> stage_boundaries(const ParallelConfig& par, int64_t n_layers) {
+  const int64_t S = par.pp * par.virtual_stages;
+  std::vector<int64_t> b{0};
+  if (par.stage_layers.empty()) {
+    if (n_layers % S != 0)
+      return Status::error(
+          fmt::format("{} layers do not split evenly into pp={} x virtual_stages={} stages; set "
+                      "parallel.stage_layers for an uneven split",
+                      n_layers, par.pp, par.virtual_stages));
+    for (int64_t s = 1; s <= S; ++s) b.push_back(s * (n_layers / S));
+    return b;
+  }
+  std::string item;
+  for (size_t i = 0; i <= par.stage_layers.size(); ++i) {
+    const char ch = i < par.stage_layers.size() ? par.stage_layers[i] : ',';
+    if (ch != ',') {
+      item += ch;
+      continue;
+    }
+    char* end = nullptr;
+    const long long n = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || n < 1)
+      return Status::error(fmt::format("parallel.stage_layers '{}': '{}' is not a positive layer count",
+                                       par.stage_layers, item));
+    b.push_back(b.back() + n);
+    item.clear();
+  }
+  if (static_cast<int64_t>(b.size()) - 1 != S || b.back() != n_layers)
+    return Status::error(
+        fmt::format("parallel.stage_layers '{}' lists {} stages with {} layers; the layout has "
+                    "pp={} x virtual_stages={} = {} stages and the model {} layers",
+                    par.stage_layers, b.size() - 1, b.back(), par.pp, par.virtual_stages, S, n_layers));
+  return b;
+}
+
 PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp)
     : cfg_(cfg),
       pp_(pp),
@@ -21,11 +57,13 @@ PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp)
       p_(pp.size()),
       v_(static_cast<int>(cfg.parallel.virtual_stages)),
       rank_(pp.rank()) {
-  const int64_t L = cfg_.model.n_layers, S = static_cast<int64_t>(p_) * v_;
-  NDT_CHECK(L % S == 0, "{} layers do not split evenly into pp={} x virtual_stages={} stages", L, p_, v_);
+  const int64_t S = static_cast<int64_t>(p_) * v_;
+  NDT_CHECK(cfg_.parallel.pp == p_, "pipeline communicator has {} ranks, parallel.pp is {}", p_,
+            cfg_.parallel.pp);
+  const std::vector<int64_t> b = stage_boundaries(cfg_.parallel, cfg_.model.n_layers).value();
   for (int c = 0; c < v_; ++c) {
     const int64_t s = stage_of(c);
-    StageSpec spec{s * (L / S), (s + 1) * (L / S), s == 0, s == S - 1};
+    StageSpec spec{b[static_cast<size_t>(s)], b[static_cast<size_t>(s) + 1], s == 0, s == S - 1};
     chunks_.push_back(std::make_unique<Transformer>(cfg_.model, spec, tp_, &store_));
   }
   const bool tied = cfg_.model.tied() && p_ > 1;

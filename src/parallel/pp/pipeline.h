@@ -17,6 +17,10 @@
 
 namespace ndt {
 
+// First layer of each of the p*v stages plus the end (size p*v + 1), from parallel.stage_layers or an
+// even split. Error names the key when the list does not fit the model.
+Result<std::vector<int64_t>> stage_boundaries(const ParallelConfig& par, int64_t n_layers);
+
 class PipelineEngine {
  public:
   // Collective over pp (builds the tied-embedding group). tp may be null.
