@@ -29,6 +29,21 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key) {
   return out;
 }
 
+void Communicator::send_string(const std::string& s, int peer, int tag) {
+  int64_t n = static_cast<int64_t>(s.size());
+  send(&n, 1, DType::I64, peer, tag);
+  std::vector<int32_t> chars(s.begin(), s.end());
+  send(chars.data(), n, DType::I32, peer, tag);
+}
+
+std::string Communicator::recv_string(int peer, int tag) {
+  int64_t n = 0;
+  recv(&n, 1, DType::I64, peer, tag);
+  std::vector<int32_t> chars(static_cast<size_t>(n));
+  recv(chars.data(), n, DType::I32, peer, tag);
+  return std::string(chars.begin(), chars.end());
+}
+
 Status agree(const Status& local, Communicator& comm) {
   if (comm.size() == 1) return local;
   // 1) the lowest failing rank (size() when every rank is fine); 2) that rank broadcasts its message.

@@ -59,6 +59,10 @@ class Communicator {
   // implementation all-gathers (color, key) and calls subgroup() once per color; backends override it.
   virtual std::unique_ptr<Communicator> split(int color, int key);
 
+  // Strings (names, messages) travel as i32 words: a length, then the characters.
+  void send_string(const std::string& s, int peer, int tag = 0);
+  std::string recv_string(int peer, int tag = 0);
+
   // Typed conveniences.
   void all_reduce_sum(float* buf, int64_t count) { all_reduce(buf, count, DType::F32, ReduceOp::Sum); }
   void all_reduce_max(float* buf, int64_t count) { all_reduce(buf, count, DType::F32, ReduceOp::Max); }

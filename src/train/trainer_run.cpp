@@ -30,10 +30,9 @@ void Trainer::gather_pipeline_params(std::vector<std::pair<std::string, Tensor>>
     int64_t n = static_cast<int64_t>(full.size());
     pp.send(&n, 1, DType::I64, 0, 7);
     for (auto& [name, t] : full) {
-      int64_t hdr[2] = {static_cast<int64_t>(name.size()), t.dim()};
-      pp.send(hdr, 2, DType::I64, 0, 7);
-      std::vector<int32_t> chars(name.begin(), name.end());
-      pp.send(chars.data(), hdr[0], DType::I32, 0, 7);
+      pp.send_string(name, 0, 7);
+      int64_t dim = t.dim();
+      pp.send(&dim, 1, DType::I64, 0, 7);
       pp.send(t.shape().data(), t.dim(), DType::I64, 0, 7);
       pp.send(t.data_ptr(), t.numel(), DType::F32, 0, 7);
     }
@@ -43,15 +42,13 @@ void Trainer::gather_pipeline_params(std::vector<std::pair<std::string, Tensor>>
     int64_t n = 0;
     pp.recv(&n, 1, DType::I64, q, 7);
     for (int64_t i = 0; i < n; ++i) {
-      int64_t hdr[2];
-      pp.recv(hdr, 2, DType::I64, q, 7);
-      std::vector<int32_t> chars(static_cast<size_t>(hdr[0]));
-      pp.recv(chars.data(), hdr[0], DType::I32, q, 7);
-      Shape shape(static_cast<size_t>(hdr[1]));
-      pp.recv(shape.data(), hdr[1], DType::I64, q, 7);
+      const std::string name = pp.recv_string(q, 7);
+      int64_t dim = 0;
+      pp.recv(&dim, 1, DType::I64, q, 7);
+      Shape shape(static_cast<size_t>(dim));
+      pp.recv(shape.data(), dim, DType::I64, q, 7);
       Tensor t = Tensor::empty(shape);
       pp.recv(t.data_ptr(), t.numel(), DType::F32, q, 7);
-      std::string name(chars.begin(), chars.end());
       bool have = false;
       for (auto& e : full) have = have || e.first == name;
       if (!have) full.emplace_back(name, t);
@@ -75,10 +72,9 @@ void Trainer::report_pipeline(bool logger) {
     int64_t n = static_cast<int64_t>(trace_.size());
     w.send(&n, 1, DType::I64, 0, 8);
     for (auto& e : trace_) {
-      double v[4] = {static_cast<double>(e.rank), e.start_us, e.dur_us, static_cast<double>(e.name.size())};
-      w.send(v, 4, DType::F64, 0, 8);
-      std::vector<int32_t> chars(e.name.begin(), e.name.end());
-      w.send(chars.data(), static_cast<int64_t>(chars.size()), DType::I32, 0, 8);
+      double v[3] = {static_cast<double>(e.rank), e.start_us, e.dur_us};
+      w.send(v, 3, DType::F64, 0, 8);
+      w.send_string(e.name, 0, 8);
     }
     return;
   }
@@ -86,11 +82,9 @@ void Trainer::report_pipeline(bool logger) {
     int64_t n = 0;
     w.recv(&n, 1, DType::I64, q, 8);
     for (int64_t i = 0; i < n; ++i) {
-      double v[4];
-      w.recv(v, 4, DType::F64, q, 8);
-      std::vector<int32_t> chars(static_cast<size_t>(v[3]));
-      w.recv(chars.data(), static_cast<int64_t>(chars.size()), DType::I32, q, 8);
-      all.push_back({static_cast<int>(v[0]), std::string(chars.begin(), chars.end()), v[1], v[2]});
+      double v[3];
+      w.recv(v, 3, DType::F64, q, 8);
+      all.push_back({static_cast<int>(v[0]), w.recv_string(q, 8), v[1], v[2]});
     }
   }
   std::ofstream(trace_path_) << pp::chrome_trace_json(all);
