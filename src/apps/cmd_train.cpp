@@ -1,6 +1,7 @@
 #include "apps/commands.h"
 #include "apps/setup.h"
 #include "parallel/layout.h"
+#include "train/hf_interop.h"
 #include "train/trainer.h"
 
 namespace ndt::app {
@@ -12,14 +13,31 @@ Runner add_train(CLI::App& app) {
   cmd->add_option("-c,--config", *config, "YAML config file (see configs/)")->required();
   cmd->add_option("--set", *sets, "Override config keys: --set train.steps=100 model.n_layers=4");
   auto trace = std::make_shared<std::string>();
+  auto resume = std::make_shared<std::string>();
+  auto init_hf = std::make_shared<std::string>();
+  cmd->add_option(
+      "--init-hf", *init_hf,
+      "Fine-tune from a Hugging Face Llama directory (its config.json replaces the model section)");
+  cmd->add_option("--resume", *resume, "Continue from a checkpoint directory (any layout can load it)");
   cmd->add_option("--trace", *trace,
                   "Write a Chrome trace (JSON) of steps 1-3: forward/backward/send/recv per rank");
-  return [config, sets, trace](Communicator& world) {
+  return [config, sets, trace, resume, init_hf](Communicator& world) {
     RunSetup s = load_run(world, *config, *sets);
+    std::vector<std::pair<std::string, Tensor>> init;
+    if (!init_hf->empty()) {
+      auto imported = import_hf(*init_hf);
+      agree_or_throw(imported.status(), world);
+      s.cfg.model = imported.value().first;
+      init = std::move(imported.value().second);
+      agree_or_throw(validate_config(s.cfg), world);
+      agree_or_throw(validate_layout(s.cfg, world.size()), world);
+    }
     auto layout = Layout::create(s.cfg, world);
     agree_or_throw(layout.status(), world);
     Trainer trainer(s.cfg, layout.value()->comms(), *s.tok, *s.train, s.val.get());
+    if (!init.empty()) trainer.load_weights(init);
     if (!trace->empty()) trainer.set_trace(*trace);
+    if (!resume->empty()) trainer.resume(*resume);
     trainer.run();
     return 0;
   };

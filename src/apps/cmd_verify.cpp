@@ -7,6 +7,7 @@
 #include "apps/setup.h"
 #include "parallel/layout.h"
 #include "parallel/tp/gather_params.h"
+#include "train/checkpoint.h"
 #include "train/trainer.h"
 
 namespace ndt::app {
@@ -33,6 +34,7 @@ Runner add_verify(CLI::App& app) {
     std::vector<std::string> sets;
     int64_t steps = 5;
     double tol_loss = 1e-5, tol_weights = 1e-4;
+    std::string resume;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("-c,--config", o->config, "YAML config file")->required();
@@ -41,9 +43,19 @@ Runner add_verify(CLI::App& app) {
   cmd->add_option("--steps", o->steps, "Optimizer steps to compare")->check(CLI::Range(1, 1000));
   cmd->add_option("--tol-loss", o->tol_loss, "Max relative difference of loss and grad norm per step");
   cmd->add_option("--tol-weights", o->tol_weights, "Max ||w - w_ref||_inf / ||w_ref||_inf per tensor");
+  cmd->add_option("--resume", o->resume,
+                  "Start the layout from this checkpoint (step k, any layout) and compare its steps k.. with "
+                  "one straight single-process run from step 0");
   return [o](Communicator& world) {
     RunSetup s = load_run(world, o->config, o->sets);
-    s.cfg.train.steps = o->steps;
+    int64_t first = 0;  // the step the compared layout starts at
+    if (!o->resume.empty()) {
+      auto dir = resolve_checkpoint(o->resume);
+      auto meta = dir ? read_checkpoint_meta(dir.value()) : Result<CheckpointMeta>(dir.status());
+      agree_or_throw(meta.status(), world);
+      first = meta.value().step;
+    }
+    s.cfg.train.steps = first + o->steps;
     auto layout = Layout::create(s.cfg, world);
     agree_or_throw(layout.status(), world);
 
@@ -53,9 +65,10 @@ Runner add_verify(CLI::App& app) {
     ref_cfg.parallel = ParallelConfig{};
     Trainer ref(ref_cfg, RunComms{}, *s.tok, *s.train, nullptr);
     Trainer par(s.cfg, layout.value()->comms(), *s.tok, *s.train, nullptr);
-    for (int64_t i = 0; i < o->steps; ++i) {
+    if (!o->resume.empty()) par.resume(o->resume);
+    for (int64_t i = 0; i < first + o->steps; ++i) {
       ref.train_step(i);
-      par.train_step(i);
+      if (i >= first) par.train_step(i);
     }
     RunComms pc = layout.value()->comms();
     auto par_w = gather_full_params(par.params(), *pc.tp);
@@ -63,18 +76,22 @@ Runner add_verify(CLI::App& app) {
     bool ok = true;
     const bool logger = world.rank() == 0;
     if (logger) {
-      std::printf("verify: %s against the single-process run, %lld steps\n",
-                  layout.value()->grid().describe().c_str(), static_cast<long long>(o->steps));
+      std::printf("verify: %s against the single-process run, %lld steps%s\n",
+                  layout.value()->grid().describe().c_str(), static_cast<long long>(o->steps),
+                  o->resume.empty()
+                      ? ""
+                      : (", resumed at step " + std::to_string(first) + " from " + o->resume).c_str());
       std::printf("%5s %14s %14s %10s %12s %12s %10s\n", "step", "loss(ref)", "loss", "rel", "gnorm(ref)",
                   "gnorm", "rel");
     }
     for (int64_t i = 0; i < o->steps; ++i) {
-      const StepStats &a = ref.history()[static_cast<size_t>(i)], &b = par.history()[static_cast<size_t>(i)];
+      const StepStats &a = ref.history()[static_cast<size_t>(first + i)],
+                      &b = par.history()[static_cast<size_t>(i)];
       const double rl = rel(b.loss, a.loss), rg = rel(b.grad_norm, a.grad_norm);
       ok = ok && rl <= o->tol_loss && rg <= o->tol_loss && a.tokens == b.tokens;
       if (logger)
-        std::printf("%5lld %14.8f %14.8f %10.2e %12.6f %12.6f %10.2e%s\n", static_cast<long long>(i), a.loss,
-                    b.loss, rl, a.grad_norm, b.grad_norm, rg,
+        std::printf("%5lld %14.8f %14.8f %10.2e %12.6f %12.6f %10.2e%s\n", static_cast<long long>(first + i),
+                    a.loss, b.loss, rl, a.grad_norm, b.grad_norm, rg,
                     (rl <= o->tol_loss && rg <= o->tol_loss) ? "" : "  <-- FAIL");
     }
     double worst = 0;

@@ -14,5 +14,6 @@ Runner add_train(CLI::App& app);
 Runner add_generate(CLI::App& app);
 Runner add_tokenize(CLI::App& app);
 Runner add_verify(CLI::App& app);
+Runner add_convert(CLI::App& app);
 
 }  // namespace ndt::app

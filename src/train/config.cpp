@@ -128,6 +128,9 @@ const std::vector<KeyDef>& schema() {
       int_key("train.eval_samples", 0, kInf, t(&T::eval_samples)),
       str_key("train.out_dir", {}, t(&T::out_dir)),
       int_key("train.max_seconds", 0, kInf, t(&T::max_seconds)),
+      int_key("train.checkpoint_every", 0, kInf, t(&T::checkpoint_every)),
+      int_key("train.keep_last", 0, kInf, t(&T::keep_last)),
+      str_key("train.checkpoint_dir", {}, t(&T::checkpoint_dir)),
 
       int_key("parallel.tp", 1, 4096, p(&P::tp)),
       int_key("parallel.cp", 1, 4096, p(&P::cp)),

@@ -58,6 +58,9 @@ struct TrainConfig {
   int64_t eval_samples = 200;            // held-out problems for exact-match / validation loss
   std::string out_dir = "runs/default";  // metrics.jsonl, loss.svg, model.safetensors
   int64_t max_seconds = 0;               // stop early after this wall time (0 = no limit)
+  int64_t checkpoint_every = 0;          // save a checkpoint every N steps and at the end (0 = never)
+  int64_t keep_last = 3;                 // checkpoints kept (0 = all)
+  std::string checkpoint_dir;            // default: <out_dir>/checkpoints
 };
 
 struct ParallelConfig {

@@ -91,4 +91,23 @@ void Optimizer::step(double lr) {
   }
 }
 
+void Optimizer::gather_moments(Tensor& full_m, Tensor& full_v) {
+  const int64_t n = params_.flat_values().numel();
+  full_m = Tensor::empty({n});
+  full_v = Tensor::empty({n});
+  if (c_.zero1 && active(c_.dp)) {
+    c_.dp->all_gather(m_.data_ptr(), full_m.data_ptr(), m_.numel(), DType::F32);
+    c_.dp->all_gather(v_.data_ptr(), full_v.data_ptr(), v_.numel(), DType::F32);
+  } else {
+    full_m.copy_from(m_);
+    full_v.copy_from(v_);
+  }
+}
+
+void Optimizer::scatter_moments(const Tensor& full_m, const Tensor& full_v) {
+  const size_t bytes = static_cast<size_t>(own_end_ - own_begin_) * sizeof(float);
+  std::memcpy(m_.f32(), full_m.f32() + own_begin_, bytes);
+  std::memcpy(v_.f32(), full_v.f32() + own_begin_, bytes);
+}
+
 }  // namespace ndt

@@ -32,6 +32,11 @@ class Optimizer {
   // Step 4 with learning rate lr.
   void step(double lr);
   int64_t steps_taken() const { return step_; }
+  void set_steps_taken(int64_t n) { step_ = n; }
+  // Moments for the whole local flat buffer (ZeRO-1 shards all-gathered over DP), for checkpoints.
+  void gather_moments(Tensor& full_m, Tensor& full_v);
+  // Takes this rank's owned range from whole-buffer moments (after loading a checkpoint).
+  void scatter_moments(const Tensor& full_m, const Tensor& full_v);
   // Optimizer state for checkpoints: (m, v) over the owned range of the flat buffer.
   Tensor& exp_avg() { return m_; }
   Tensor& exp_avg_sq() { return v_; }

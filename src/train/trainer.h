@@ -53,6 +53,13 @@ class Trainer {
   ParamStore& params() { return engine_->params(); }
   PipelineEngine& engine() { return *engine_; }
   Optimizer& optimizer() { return *opt_; }
+  // Saves a checkpoint after `steps_done` steps (collective).
+  void save_checkpoint(int64_t steps_done);
+  // Loads a checkpoint written by any layout; training continues at its step (collective).
+  void resume(const std::string& dir);
+  int64_t start_step() const { return start_step_; }
+  // Starts from given full (global) tensors, e.g. imported from Hugging Face: each rank copies its slice.
+  void load_weights(const std::vector<std::pair<std::string, Tensor>>& full);
   // Write a Chrome trace of steps 1..3 (forward/backward/send/recv per rank) to `path` at the end of run().
   void set_trace(const std::string& path) { trace_path_ = path; }
   const std::vector<StepStats>& history() const { return history_; }
@@ -71,6 +78,7 @@ class Trainer {
   const Dataset* val_;
   std::unique_ptr<PipelineEngine> engine_;
   std::string trace_path_;
+  int64_t start_step_ = 0;
   std::vector<pp::TraceEvent> trace_;
   double compute_s_ = 0, step_s_ = 0;  // summed over steps, for the measured pipeline bubble
   double theory_bubble_ = 0;

@@ -100,7 +100,8 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
   if (logger) {
     std::filesystem::create_directories(tc.out_dir);
     std::ofstream(std::filesystem::path(tc.out_dir) / "config.yaml") << config_to_yaml(cfg_);
-    metrics = std::make_unique<MetricsWriter>(MetricsWriter::open(tc.out_dir).value());
+    metrics =
+        std::make_unique<MetricsWriter>(MetricsWriter::open(tc.out_dir, /*append=*/start_step_ > 0).value());
     std::printf(
         "ndtrain: %s model, %lld parameters, task %s, %d rank(s) [%s%s%s]\n", cfg_.model.style.c_str(),
         static_cast<long long>(n_params), cfg_.data.task.c_str(), c_.world->size(),
@@ -124,7 +125,7 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
 
   const auto start = std::chrono::steady_clock::now();
   const double tokens_per_step = static_cast<double>(tc.global_batch * cfg_.data.seq_len);
-  int64_t step = 0;
+  int64_t step = start_step_;
   for (; step < tc.steps; ++step) {
     StepStats st = train_step(step);
     if (on_step) on_step(st);
@@ -142,8 +143,9 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
                    {"elapsed_seconds", elapsed}})
           .throw_if_error();
       if (step % tc.log_every == 0 || step == tc.steps - 1) {
-        const double tps = tokens_per_step * static_cast<double>(step + 1) / elapsed;
-        const double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(tc.steps - step - 1);
+        const double done = static_cast<double>(step + 1 - start_step_);
+        const double tps = tokens_per_step * done / elapsed;
+        const double eta = elapsed / done * static_cast<double>(tc.steps - step - 1);
         std::printf(
             "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | elapsed %s | eta %s\n",
             static_cast<long long>(step), static_cast<long long>(tc.steps), st.loss, st.lr, st.grad_norm,
@@ -151,6 +153,8 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
         std::fflush(stdout);
       }
     }
+    if (tc.checkpoint_every > 0 && (step + 1) % tc.checkpoint_every == 0 && step + 1 < tc.steps)
+      save_checkpoint(step + 1);
     if (tc.eval_every > 0 && step > 0 && step % tc.eval_every == 0 && step != tc.steps - 1) log_eval(step);
     // The time limit is decided on rank 0 and broadcast, so every rank stops at the same step.
     int32_t stop = tc.max_seconds > 0 && elapsed > static_cast<double>(tc.max_seconds);
@@ -163,6 +167,7 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
       break;
     }
   }
+  if (tc.checkpoint_every > 0) save_checkpoint(step);
   log_eval(step);
 
   // Final weights (gathered over TP) and the loss curve; one writer.

@@ -1,0 +1,71 @@
+// Trainer checkpoints: every rank's slices plus optimizer state, loadable into any layout.
+#include <filesystem>
+#include <map>
+
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+namespace ndt {
+
+void Trainer::save_checkpoint(int64_t steps_done) {
+  Tensor full_m, full_v;
+  opt_->gather_moments(full_m, full_v);
+  CheckpointMeta meta;
+  meta.step = steps_done;
+  meta.optimizer_steps = opt_->steps_taken();
+  meta.config_yaml = config_to_yaml(cfg_);
+  meta.layout =
+      fmt::format("tp={} dp={} pp={} virtual_stages={}{}", cfg_.parallel.tp, cfg_.parallel.dp,
+                  cfg_.parallel.pp, cfg_.parallel.virtual_stages, cfg_.parallel.zero1 ? " zero1" : "");
+  const std::string dir = cfg_.train.checkpoint_dir.empty()
+                              ? (std::filesystem::path(cfg_.train.out_dir) / "checkpoints").string()
+                              : cfg_.train.checkpoint_dir;
+  // DP replicas hold identical slices: DP rank 0 of each (tp, pp) coordinate writes them.
+  ndt::save_checkpoint(dir, engine_->params(), full_m, full_v, meta, c_.dp->rank() == 0,
+                       static_cast<int>(cfg_.train.keep_last), *c_.world)
+      .throw_if_error();
+  if (c_.world->rank() == 0) {
+    std::printf("saved checkpoint at step %lld to %s\n", static_cast<long long>(steps_done), dir.c_str());
+    std::fflush(stdout);
+  }
+}
+
+void Trainer::resume(const std::string& dir) {
+  auto step_dir = resolve_checkpoint(dir);
+  Status st = step_dir.status();
+  CheckpointMeta meta;
+  if (st) {
+    auto m = read_checkpoint_meta(step_dir.value());
+    st = m.status();
+    if (st) meta = m.value();
+  }
+  const int64_t n = engine_->params().flat_values().numel();
+  Tensor full_m = Tensor::zeros({n}), full_v = Tensor::zeros({n});
+  if (st) st = load_checkpoint(step_dir.value(), engine_->params(), &full_m, &full_v);
+  // Every rank must agree before training continues (a missing shard on one rank stops all).
+  if (Status all = agree(st, *c_.world); !all) throw AgreedError(all.message());
+  opt_->scatter_moments(full_m, full_v);
+  opt_->set_steps_taken(meta.optimizer_steps);
+  start_step_ = meta.step;
+  if (c_.world->rank() == 0) {
+    std::printf("resumed from %s (step %lld, written by layout %s)\n", step_dir.value().c_str(),
+                static_cast<long long>(meta.step), meta.layout.c_str());
+    std::fflush(stdout);
+  }
+}
+
+void Trainer::load_weights(const std::vector<std::pair<std::string, Tensor>>& full) {
+  std::map<std::string, const Tensor*> by_name;
+  for (const auto& [name, t] : full) by_name[name] = &t;
+  for (auto& p : engine_->params().all()) {
+    auto it = by_name.find(p->name);
+    if (it == by_name.end()) NDT_FAIL("initial weights have no tensor '{}'", p->name);
+    const Tensor& src = *it->second;
+    if (src.shape() != p->global_shape)
+      NDT_FAIL("initial weights: tensor '{}' has shape {}, the model expects {}", p->name,
+               shape_str(src.shape()), shape_str(p->global_shape));
+    for (int64_t i = 0; i < p->numel(); ++i) p->value.f32()[i] = src.f32()[p->global_index(i)];
+  }
+}
+
+}  // namespace ndt
