@@ -14,6 +14,7 @@
 
 #include "dist/communicator.h"
 #include "model/transformer.h"
+#include "tiny_model.h"
 #include "train/checkpoint.h"
 #include "train/hf_interop.h"
 #include "train/safetensors.h"
@@ -22,30 +23,6 @@ namespace fs = std::filesystem;
 
 namespace ndt {
 namespace {
-
-ModelConfig ckpt_tiny(const std::string& style) {
-  ModelConfig m;
-  m.style = style;
-  m.vocab_size = 32;
-  m.d_model = 16;
-  m.n_layers = 2;
-  m.n_heads = 4;
-  m.n_kv_heads = style == "llama" ? 2 : 0;
-  m.d_ff = 24;
-  m.max_seq_len = 16;
-  m.init_std = 0.3;
-  return m;
-}
-
-class CkptFakeTp : public TpHooks {
- public:
-  CkptFakeTp(int size, int rank) : size_(size), rank_(rank) {}
-  int size() const override { return size_; }
-  int rank() const override { return rank_; }
-
- private:
-  int size_, rank_;
-};
 
 struct TempDir {
   fs::path path;
@@ -117,7 +94,7 @@ CheckpointMeta meta_for(int64_t step) {
 TEST(CheckpointRoundTrip, ValuesAndMomentsBitExact) {
   for (const std::string style : {"llama", "gpt2"}) {
     TempDir tmp("rt_" + style);
-    const ModelConfig cfg = ckpt_tiny(style);
+    const ModelConfig cfg = testing::tiny_model(style);
     auto a = make_model(cfg, 7);
     const int64_t n = a->params().flat_values().numel();
     Tensor m = random_like(n, 1), v = random_like(n, 2);
@@ -198,13 +175,13 @@ TEST(CheckpointReshard, TpPpShardsIntoUnshardedAndBack) {
   for (const std::string style : {"llama", "gpt2"}) {
     for (int pp : {1, 2}) {
       TempDir tmp("rs_" + style + std::to_string(pp));
-      const ModelConfig cfg = ckpt_tiny(style);
+      const ModelConfig cfg = testing::tiny_model(style);
       auto full = make_model(cfg, 5);
       const int64_t n = full->params().flat_values().numel();
       Tensor fm = random_like(n, 3), fv = random_like(n, 4);
 
       // Simulated ranks: TP=2 x PP=pp, each with its own store, values and moments.
-      std::vector<std::unique_ptr<CkptFakeTp>> tps;
+      std::vector<std::unique_ptr<testing::FakeTp>> tps;
       std::vector<std::unique_ptr<Transformer>> shards;
       std::vector<StageSpec> stages;
       if (pp == 1)
@@ -215,7 +192,7 @@ TEST(CheckpointReshard, TpPpShardsIntoUnshardedAndBack) {
       std::vector<Tensor> ms, vs;
       for (const StageSpec& sp : stages)
         for (int r = 0; r < 2; ++r) {
-          tps.push_back(std::make_unique<CkptFakeTp>(2, r));
+          tps.push_back(std::make_unique<testing::FakeTp>(2, r));
           shards.push_back(make_model(cfg, 5, tps.back().get(), sp));
           stores.push_back(&shards.back()->params());
           ms.push_back(shard_moments(*stores.back(), full->params(), fm));
@@ -249,7 +226,7 @@ TEST(CheckpointReshard, TpPpShardsIntoUnshardedAndBack) {
       for (size_t i = 0; i < stages.size(); ++i)
         for (int r = 0; r < 2; ++r) {
           const size_t k = i * 2 + r;
-          CkptFakeTp tp(2, r);
+          testing::FakeTp tp(2, r);
           auto s = make_model(cfg, 321, &tp, stages[i]);
           const int64_t sn = s->params().flat_values().numel();
           Tensor sm = Tensor::zeros({sn}), sv = Tensor::zeros({sn});
@@ -266,15 +243,15 @@ TEST(CheckpointReshard, TpPpShardsIntoUnshardedAndBack) {
 
 TEST(CheckpointReshard, Tp2IntoTp4) {
   // A different split: the TP=2 slices straddle the TP=4 ones in halves.
-  ModelConfig cfg = ckpt_tiny("llama");
+  ModelConfig cfg = testing::tiny_model("llama");
   cfg.n_kv_heads = 4;
   TempDir tmp("tp24");
-  std::vector<std::unique_ptr<CkptFakeTp>> tps;
+  std::vector<std::unique_ptr<testing::FakeTp>> tps;
   std::vector<std::unique_ptr<Transformer>> shards;
   std::vector<ParamStore*> stores;
   std::vector<Tensor> ms, vs;
   for (int r = 0; r < 2; ++r) {
-    tps.push_back(std::make_unique<CkptFakeTp>(2, r));
+    tps.push_back(std::make_unique<testing::FakeTp>(2, r));
     shards.push_back(make_model(cfg, 8, tps.back().get()));
     stores.push_back(&shards.back()->params());
     const int64_t sn = stores.back()->flat_values().numel();
@@ -287,7 +264,7 @@ TEST(CheckpointReshard, Tp2IntoTp4) {
   Tensor fm = Tensor::zeros({n}), fv = Tensor::zeros({n});
   ASSERT_TRUE(load_checkpoint(tmp.str("c/step-00000001"), full->params(), &fm, &fv));
   for (int r = 0; r < 4; ++r) {
-    CkptFakeTp tp(4, r);
+    testing::FakeTp tp(4, r);
     auto s = make_model(cfg, 2, &tp);
     const int64_t sn = s->params().flat_values().numel();
     Tensor sm = Tensor::zeros({sn}), sv = Tensor::zeros({sn});
@@ -302,7 +279,7 @@ TEST(CheckpointReshard, Tp2IntoTp4) {
 
 TEST(CheckpointRotation, KeepLastAndLatest) {
   TempDir tmp("rot");
-  auto a = make_model(ckpt_tiny("llama"), 7);
+  auto a = make_model(testing::tiny_model("llama"), 7);
   auto comm = make_self_communicator();
   const std::string dir = tmp.str("ckpt");
   for (int64_t step : {10, 20, 30, 40}) {
@@ -335,7 +312,7 @@ TEST(CheckpointRotation, KeepLastAndLatest) {
 
 TEST(CheckpointCrash, KillDuringSaveLeavesPreviousCheckpoint) {
   TempDir tmp("crash");
-  const ModelConfig cfg = ckpt_tiny("llama");
+  const ModelConfig cfg = testing::tiny_model("llama");
   auto a = make_model(cfg, 7);
   const int64_t n = a->params().flat_values().numel();
   Tensor m = random_like(n, 1), v = random_like(n, 2);
@@ -381,7 +358,7 @@ class CheckpointBadInput : public ::testing::Test {
  protected:
   void SetUp() override {
     tmp_ = std::make_unique<TempDir>("bad");
-    model_ = make_model(ckpt_tiny("llama"), 7);
+    model_ = make_model(testing::tiny_model("llama"), 7);
     auto comm = make_self_communicator();
     const int64_t n = model_->params().flat_values().numel();
     ASSERT_TRUE(save_checkpoint(tmp_->str("ckpt"), model_->params(), random_like(n, 1), random_like(n, 2),
@@ -408,13 +385,13 @@ class CheckpointBadInput : public ::testing::Test {
 TEST_F(CheckpointBadInput, TruncatedShard) {
   const std::string shard = step_ + "/shard-0.safetensors";
   fs::resize_file(shard, fs::file_size(shard) / 2);
-  expect_has(load_error(ckpt_tiny("llama")), {"shard-0.safetensors", "embed.tokens.weight"});
+  expect_has(load_error(testing::tiny_model("llama")), {"shard-0.safetensors", "embed.tokens.weight"});
 }
 
 TEST_F(CheckpointBadInput, CorruptIndexJson) {
   std::ofstream(step_ + "/index.json", std::ios::trunc)
       << "{\"format\": \"ndtrain-checkpoint\", \"tensors\": {";
-  expect_has(load_error(ckpt_tiny("llama")), {"index.json", "invalid JSON"});
+  expect_has(load_error(testing::tiny_model("llama")), {"index.json", "invalid JSON"});
   auto meta = read_checkpoint_meta(step_);
   ASSERT_FALSE(meta);
   expect_has(meta.status().message(), {"index.json"});
@@ -424,7 +401,7 @@ TEST_F(CheckpointBadInput, MalformedIndexEntry) {
   nlohmann::json idx = read_json(step_ + "/index.json");
   idx["tensors"]["layers.0.mlp.w2.weight"]["slices"][0]["shape"] = "oops";
   std::ofstream(step_ + "/index.json", std::ios::trunc) << idx.dump();
-  expect_has(load_error(ckpt_tiny("llama")), {"index.json", "layers.0.mlp.w2.weight"});
+  expect_has(load_error(testing::tiny_model("llama")), {"index.json", "layers.0.mlp.w2.weight"});
 }
 
 TEST_F(CheckpointBadInput, SlicesNotCovering) {
@@ -433,22 +410,23 @@ TEST_F(CheckpointBadInput, SlicesNotCovering) {
   s["shard_dim"] = 0;
   s["shape"][0] = s["shape"][0].get<int64_t>() / 2;
   std::ofstream(step_ + "/index.json", std::ios::trunc) << idx.dump();
-  expect_has(load_error(ckpt_tiny("llama")), {"index.json", "layers.1.attn.wq.weight", "cover"});
+  expect_has(load_error(testing::tiny_model("llama")), {"index.json", "layers.1.attn.wq.weight", "cover"});
 }
 
 TEST_F(CheckpointBadInput, MissingShardFile) {
   fs::remove(step_ + "/shard-0.safetensors");
-  expect_has(load_error(ckpt_tiny("llama")), {"shard-0.safetensors", "embed.tokens.weight", "missing"});
+  expect_has(load_error(testing::tiny_model("llama")),
+             {"shard-0.safetensors", "embed.tokens.weight", "missing"});
 }
 
 TEST_F(CheckpointBadInput, TensorMissing) {
-  ModelConfig cfg = ckpt_tiny("llama");
+  ModelConfig cfg = testing::tiny_model("llama");
   cfg.n_layers = 3;
   expect_has(load_error(cfg), {"index.json", "layers.2.attn_norm.weight", "missing"});
 }
 
 TEST_F(CheckpointBadInput, ShapeMismatch) {
-  ModelConfig cfg = ckpt_tiny("llama");
+  ModelConfig cfg = testing::tiny_model("llama");
   cfg.d_model = 32;
   expect_has(load_error(cfg),
              {"index.json", "embed.tokens.weight", shape_str({32, 16}), shape_str({32, 32})});
@@ -460,7 +438,7 @@ TEST_F(CheckpointBadInput, TensorMissingFromShard) {
   std::vector<std::pair<std::string, Tensor>> only;
   only.emplace_back("embed.tokens.weight", model_->params().get("embed.tokens.weight").value);
   ASSERT_TRUE(save_safetensors(shard, only));
-  expect_has(load_error(ckpt_tiny("llama")), {"shard-0.safetensors", "layers.0.attn_norm.weight"});
+  expect_has(load_error(testing::tiny_model("llama")), {"shard-0.safetensors", "layers.0.attn_norm.weight"});
 }
 
 TEST_F(CheckpointBadInput, MomentsAbsent) {
@@ -469,7 +447,7 @@ TEST_F(CheckpointBadInput, MomentsAbsent) {
       save_checkpoint(tmp_->str("nomom"), model_->params(), Tensor(), Tensor(), meta_for(1), true, 0, *comm));
   step_ = tmp_->str("nomom/step-00000001");
   EXPECT_TRUE(load_checkpoint(step_, model_->params(), nullptr, nullptr));
-  expect_has(load_error(ckpt_tiny("llama"), /*moments=*/true),
+  expect_has(load_error(testing::tiny_model("llama"), /*moments=*/true),
              {"index.json", "optimizer state", "embed.tokens.weight"});
 }
 
@@ -482,7 +460,7 @@ std::vector<std::pair<std::string, Tensor>> full_params_of(Transformer& m) {
 TEST(CheckpointHf, ExportImportBitExactAndIndependentHeaderParse) {
   for (int tied : {0, 1}) {
     TempDir tmp("hf" + std::to_string(tied));
-    ModelConfig cfg = ckpt_tiny("llama");
+    ModelConfig cfg = testing::tiny_model("llama");
     cfg.tie_embeddings = tied;
     cfg.rope_theta = 500000.0;
     cfg.norm_eps = 1e-6;
@@ -589,14 +567,14 @@ TEST(CheckpointHf, ExportImportBitExactAndIndependentHeaderParse) {
 
 TEST(CheckpointHf, RejectsGpt2AndBadInput) {
   TempDir tmp("hfbad");
-  ModelConfig g = ckpt_tiny("gpt2");
+  ModelConfig g = testing::tiny_model("gpt2");
   auto m = make_model(g, 1);
   Status st = export_hf(tmp.str("g"), g, full_params_of(*m));
   ASSERT_FALSE(st);
   EXPECT_NE(st.message().find("llama"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("gpt2"), std::string::npos) << st.message();
 
-  ModelConfig l = ckpt_tiny("llama");
+  ModelConfig l = testing::tiny_model("llama");
   auto lm = make_model(l, 1);
   auto params = full_params_of(*lm);
   params.pop_back();  // lm_head missing

@@ -5,24 +5,11 @@
 #include <random>
 
 #include "model/transformer.h"
+#include "tiny_model.h"
 #include "train/evaluate.h"
 
 namespace ndt {
 namespace {
-
-ModelConfig tiny(const std::string& style) {
-  ModelConfig m;
-  m.style = style;
-  m.vocab_size = 32;
-  m.d_model = 16;
-  m.n_layers = 2;
-  m.n_heads = 4;
-  m.n_kv_heads = style == "llama" ? 2 : 0;
-  m.d_ff = 24;
-  m.max_seq_len = 16;
-  m.init_std = 0.3;  // large enough that every path carries gradient well above fp32 noise
-  return m;
-}
 
 // Three sequences of different lengths with partial loss masks, packed (THD).
 Microbatch batch(std::mt19937& rng, int64_t vocab) {
@@ -51,7 +38,7 @@ double loss_of(Transformer& m, const Microbatch& mb) {
 // the tensor: gpt2's key bias has an exactly-zero true gradient); eps = 1e-2.
 void gradcheck(const std::string& style) {
   std::mt19937 rng(7);
-  Transformer m(tiny(style), StageSpec{}, nullptr);
+  Transformer m(testing::tiny_model(style), StageSpec{}, nullptr);
   m.params().init(11);
   Microbatch mb = batch(rng, 32);
   m.params().zero_grad();
@@ -89,24 +76,13 @@ void gradcheck(const std::string& style) {
 TEST(ModelGradcheck, Llama) { gradcheck("llama"); }
 TEST(ModelGradcheck, Gpt2) { gradcheck("gpt2"); }
 
-// A fake TP rank: only shapes and offsets matter for initialization.
-class FakeTp : public TpHooks {
- public:
-  FakeTp(int size, int rank) : size_(size), rank_(rank) {}
-  int size() const override { return size_; }
-  int rank() const override { return rank_; }
-
- private:
-  int size_, rank_;
-};
-
 TEST(ModelInit, ShardsAreSlicesOfTheFullTensor) {
   for (const std::string style : {"llama", "gpt2"}) {
-    ModelConfig cfg = tiny(style);
+    ModelConfig cfg = testing::tiny_model(style);
     Transformer full(cfg, StageSpec{}, nullptr);
     full.params().init(5);
     for (int r = 0; r < 2; ++r) {
-      FakeTp tp(2, r);
+      testing::FakeTp tp(2, r);
       Transformer shard(cfg, StageSpec{}, &tp);
       shard.params().init(5);
       for (auto& p : shard.params().all()) {
@@ -120,7 +96,8 @@ TEST(ModelInit, ShardsAreSlicesOfTheFullTensor) {
 }
 
 TEST(ModelInit, SeedChangesWeights) {
-  Transformer a(tiny("llama"), StageSpec{}, nullptr), b(tiny("llama"), StageSpec{}, nullptr);
+  Transformer a(testing::tiny_model("llama"), StageSpec{}, nullptr),
+      b(testing::tiny_model("llama"), StageSpec{}, nullptr);
   a.params().init(1);
   b.params().init(2);
   const Param& pa = a.params().get("layers.0.attn.wq.weight");
@@ -132,7 +109,7 @@ TEST(ModelForward, PackedEqualsSeparate) {
   // Attention never crosses a sequence boundary: a packed batch gives each sequence the same loss as
   // running it alone.
   std::mt19937 rng(3);
-  Transformer m(tiny("llama"), StageSpec{}, nullptr);
+  Transformer m(testing::tiny_model("llama"), StageSpec{}, nullptr);
   m.params().init(9);
   std::vector<Sample> samples;
   for (int len : {6, 9}) {

@@ -1,0 +1,35 @@
+#pragma once
+// Shared fixtures for single-process model tests: a tiny model config and a fake TP rank.
+#include <string>
+
+#include "model/tp_hooks.h"
+#include "train/config.h"
+
+namespace ndt::testing {
+
+inline ModelConfig tiny_model(const std::string& style) {
+  ModelConfig m;
+  m.style = style;
+  m.vocab_size = 32;
+  m.d_model = 16;
+  m.n_layers = 2;
+  m.n_heads = 4;
+  m.n_kv_heads = style == "llama" ? 2 : 0;
+  m.d_ff = 24;
+  m.max_seq_len = 16;
+  m.init_std = 0.3;  // large enough that every path carries gradient well above fp32 noise
+  return m;
+}
+
+// A TP rank without communication: only shapes and offsets matter (initialization, checkpoint slices).
+class FakeTp : public TpHooks {
+ public:
+  FakeTp(int size, int rank) : size_(size), rank_(rank) {}
+  int size() const override { return size_; }
+  int rank() const override { return rank_; }
+
+ private:
+  int size_, rank_;
+};
+
+}  // namespace ndt::testing
