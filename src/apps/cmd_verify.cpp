@@ -35,6 +35,8 @@ Runner add_verify(CLI::App& app) {
     int64_t steps = 5;
     double tol_loss = 1e-5, tol_weights = 1e-4;
     std::string resume;
+    bool reference_unpacked = false;
+    double tol_logprob = 1e-4;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("-c,--config", o->config, "YAML config file")->required();
@@ -46,6 +48,11 @@ Runner add_verify(CLI::App& app) {
   cmd->add_option("--resume", o->resume,
                   "Start the layout from this checkpoint (step k, any layout) and compare its steps k.. with "
                   "one straight single-process run from step 0");
+  cmd->add_option("--tol-logprob", o->tol_logprob,
+                  "Max absolute difference of per-token logprobs and top-k logits after the compared steps");
+  cmd->add_flag("--reference-unpacked", o->reference_unpacked,
+                 "Run the reference without packing (each sample padded to seq_len); default: the same packing, "
+                 "with the layout's microbatch grouping");
   return [o](Communicator& world) {
     RunSetup s = load_run(world, o->config, o->sets);
     int64_t first = 0;  // the step the compared layout starts at
@@ -63,8 +70,15 @@ Runner add_verify(CLI::App& app) {
     // config, seed, global batch and microbatch size.
     Config ref_cfg = s.cfg;
     ref_cfg.parallel = ParallelConfig{};
+    if (o->reference_unpacked) {  // packed layout vs the same samples padded, one per row
+      ref_cfg.data.packing = false;
+      ref_cfg.data.pack_tokens = 0;
+    }
     Trainer ref(ref_cfg, RunComms{}, *s.tok, *s.train, nullptr);
     Trainer par(s.cfg, layout.value()->comms(), *s.tok, *s.train, nullptr);
+    // Same microbatches as the layout (interleaved pipelines pack into a multiple of pp microbatches), so
+    // that only the parallel reductions differ.
+    ref.set_pack_count_multiple(par.pack_count_multiple());
     if (!o->resume.empty()) par.resume(o->resume);
     for (int64_t i = 0; i < first + o->steps; ++i) {
       ref.train_step(i);
@@ -119,6 +133,34 @@ Runner add_verify(CLI::App& app) {
           "tolerance %.1e\n",
           static_cast<long long>(o->steps), static_cast<long long>(covered), worst, where.c_str(),
           o->tol_weights);
+    }
+    // Per-token logprobs and top-k logits of the first global batch, in sample order, after training.
+    {
+      std::vector<Sample> samples;
+      for (int64_t j = 0; j < s.cfg.train.global_batch; ++j)
+        samples.push_back(s.train->get(sample_index(s.cfg.data.seed, 0, j, s.cfg.train.global_batch, s.train->size())));
+      constexpr int64_t kTop = 4;
+      const auto a = ref.score(samples, kTop), b = par.score(samples, kTop);
+      double lp_diff = 0, top_diff = 0;
+      int64_t id_mismatch = 0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        for (size_t t = 0; t < a[i].logprob.size(); ++t)
+          lp_diff = std::max(lp_diff, static_cast<double>(std::abs(a[i].logprob[t] - b[i].logprob[t])));
+        for (size_t j = 0; j < a[i].topk_value.size(); ++j) {
+          top_diff = std::max(top_diff, static_cast<double>(std::abs(a[i].topk_value[j] - b[i].topk_value[j])));
+          // An id may differ only where the reference has a near-tie with its neighbour.
+          const bool tie = (j % kTop > 0 && a[i].topk_value[j - 1] - a[i].topk_value[j] < o->tol_logprob) ||
+                           (j % kTop + 1 < kTop && a[i].topk_value[j] - a[i].topk_value[j + 1] < o->tol_logprob);
+          id_mismatch += a[i].topk_id[j] != b[i].topk_id[j] && !tie;
+        }
+      }
+      const bool lp_ok = lp_diff <= o->tol_logprob && top_diff <= o->tol_logprob && id_mismatch == 0;
+      ok = ok && lp_ok;
+      if (logger)
+        std::printf("scores of %zu samples: max |logprob - ref| = %.2e, max |top-%lld logit - ref| = %.2e, "
+                    "%lld top-k ids differ, tolerance %.1e%s\n",
+                    samples.size(), lp_diff, static_cast<long long>(kTop), top_diff, static_cast<long long>(id_mismatch),
+                    o->tol_logprob, lp_ok ? "" : "  <-- FAIL");
     }
     // Every rank checked its own copy; the layout passes only if all of them did.
     int32_t all_ok = ok;

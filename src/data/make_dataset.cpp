@@ -19,7 +19,7 @@ Result<std::unique_ptr<Dataset>> make_dataset(const DataConfig& cfg, const Token
   if (cfg.task == "lm") {
     if (cfg.seq_len < 1) return Status::error(fmt::format("data.seq_len must be >= 1 (got {})", cfg.seq_len));
     return std::unique_ptr<Dataset>(
-        std::make_unique<LmTask>(cfg.seq_len, cfg.seed, tok, validation ? "val" : "train"));
+        std::make_unique<LmTask>(cfg.seq_len, cfg.seed, tok, validation ? "val" : "train", cfg.min_seq_len));
   }
   if (cfg.task != "shards" && cfg.task != "sft")
     return Status::error(

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 
 #include "core/rng.h"
 
@@ -181,9 +182,19 @@ std::string sentence(CounterRng& rng) {
 
 }  // namespace
 
-LmTask::LmTask(int64_t seq_len, int64_t seed, const Tokenizer& tok, const std::string& stream)
-    : seq_len_(seq_len), seed_(seed), tok_(tok), stream_(stable_hash("lm/" + stream)) {
+LmTask::LmTask(int64_t seq_len, int64_t seed, const Tokenizer& tok, const std::string& stream, int64_t min_len)
+    : seq_len_(seq_len), seed_(seed), min_len_(min_len), tok_(tok), stream_(stable_hash("lm/" + stream)) {
   NDT_CHECK(seq_len >= 1, "lm task: seq_len must be >= 1 (got {})", seq_len);
+  NDT_CHECK(min_len >= 0 && min_len <= seq_len, "lm task: min_len {} must be in [0, seq_len = {}]", min_len,
+            seq_len);
+}
+
+int64_t LmTask::length_of(int64_t index) const {
+  if (min_len_ <= 0) return seq_len_;
+  const double u = philox_uniform(static_cast<uint64_t>(seed_), stream_ ^ 0x9E3779B97F4A7C15ull,
+                                  static_cast<uint64_t>(index));
+  const double lo = std::log(static_cast<double>(min_len_)), hi = std::log(static_cast<double>(seq_len_) + 1);
+  return std::clamp<int64_t>(static_cast<int64_t>(std::exp(lo + u * (hi - lo))), min_len_, seq_len_);
 }
 
 std::string LmTask::text(int64_t index) const {
@@ -207,7 +218,7 @@ Sample LmTask::get(int64_t index) const {
   Sample s;
   s.tokens.push_back(tok_.bos_id());
   std::vector<int32_t> ids = tok_.encode(text(index));
-  ids.resize(std::min(ids.size(), static_cast<size_t>(seq_len_)));
+  ids.resize(std::min(ids.size(), static_cast<size_t>(length_of(index))));
   s.tokens.insert(s.tokens.end(), ids.begin(), ids.end());
   s.loss_mask.assign(s.tokens.size(), 1);
   s.loss_mask[0] = 0;

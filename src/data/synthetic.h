@@ -58,14 +58,19 @@ std::vector<EvalProblem> addition_eval_problems(int64_t digits, int64_t seed, in
 // token after BOS. `stream` separates independent streams of the same seed (training vs validation).
 class LmTask final : public Dataset {
  public:
-  LmTask(int64_t seq_len, int64_t seed, const Tokenizer& tok, const std::string& stream = "train");
+  // min_len > 0: each sample's token count is drawn log-uniformly from [min_len, seq_len] (keyed by
+  // seed and index), a skewed length distribution for packing; 0: every sample fills seq_len.
+  LmTask(int64_t seq_len, int64_t seed, const Tokenizer& tok, const std::string& stream = "train",
+         int64_t min_len = 0);
   int64_t size() const override { return -1; }
   Sample get(int64_t index) const override;
   // The text of document `index` before tokenization (at least long enough to fill the window).
   std::string text(int64_t index) const;
 
  private:
-  int64_t seq_len_, seed_;
+  int64_t length_of(int64_t index) const;
+
+  int64_t seq_len_, seed_, min_len_;
   const Tokenizer& tok_;
   uint64_t stream_;
 };

@@ -1,5 +1,6 @@
 #include "model/transformer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -119,7 +120,11 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   }
   a.att = Tensor::empty({T, heads_local_, D});
   a.lse = Tensor::empty({T, heads_local_});
-  ops::attention_forward(a.att, a.lse, a.q, a.k, a.v, mb.cu_seqlens, 1.0f / std::sqrt(static_cast<float>(D)));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  if (cp_)
+    cp_->attention_forward(mb, a.q, a.k, a.v, a.att, a.lse, scale);
+  else
+    ops::attention_forward(a.att, a.lse, a.q, a.k, a.v, mb.cu_seqlens, scale);
   Tensor o_partial = Tensor::empty({T, C});
   ops::linear_forward(o_partial, a.att.view({T, heads_local_ * D}), p(pre + "attn.wo.weight").value, nullptr);
   Tensor o = tp_->exit_forward(o_partial);
@@ -189,8 +194,11 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
   Tensor datt2d = datt.view({T, heads_local_ * D});
   ops::linear_backward(&datt2d, wo.grad, nullptr, do_full, a.att.view({T, heads_local_ * D}), wo.value);
   Tensor dq = Tensor::zeros(a.q.shape()), dk = Tensor::zeros(a.k.shape()), dv = Tensor::zeros(a.v.shape());
-  ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens,
-                          1.0f / std::sqrt(static_cast<float>(D)));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  if (cp_)
+    cp_->attention_backward(mb, datt, a.q, a.k, a.v, a.att, a.lse, dq, dk, dv, scale);
+  else
+    ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, scale);
   if (!cfg_.is_gpt2()) {
     ops::rope_backward(dq, mb.positions, theta);
     ops::rope_backward(dk, mb.positions, theta);
@@ -322,6 +330,47 @@ std::vector<int32_t> Transformer::argmax_rows(const Activations& acts,
   for (int64_t i = 0; i < n; ++i)
     out[static_cast<size_t>(i)] = static_cast<int32_t>(-neg_idx[static_cast<size_t>(i)]);
   return out;
+}
+
+void Transformer::topk_rows(const Activations& acts, int64_t k, std::vector<float>& values,
+                            std::vector<int32_t>& ids) const {
+  NDT_CHECK(k >= 1 && k <= cfg_.vocab_size, "top-k: k = {} must be in [1, vocab {}]", k, cfg_.vocab_size);
+  const int64_t T = acts.logits.size(0), kl = std::min(k, vocab_local_), tps = tp_->size();
+  // Every TP rank proposes its shard's top kl per row into its own slot; a sum over TP gathers them.
+  std::vector<float> cand_v(static_cast<size_t>(tps * T * kl), 0.0f), cand_i(cand_v.size(), 0.0f);
+  const float* lg = acts.logits.f32();
+  std::vector<int64_t> idx(static_cast<size_t>(vocab_local_));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = lg + t * vocab_local_;
+    for (int64_t j = 0; j < vocab_local_; ++j) idx[static_cast<size_t>(j)] = j;
+    std::partial_sort(idx.begin(), idx.begin() + kl, idx.end(), [&](int64_t a, int64_t b) {
+      return row[a] > row[b] || (row[a] == row[b] && a < b);
+    });
+    const size_t base = static_cast<size_t>((tp_->rank() * T + t) * kl);
+    for (int64_t j = 0; j < kl; ++j) {
+      cand_v[base + static_cast<size_t>(j)] = row[idx[static_cast<size_t>(j)]];
+      cand_i[base + static_cast<size_t>(j)] = static_cast<float>(idx[static_cast<size_t>(j)] + vocab_start_);
+    }
+  }
+  tp_->all_reduce_sum(cand_v.data(), static_cast<int64_t>(cand_v.size()));
+  tp_->all_reduce_sum(cand_i.data(), static_cast<int64_t>(cand_i.size()));
+  values.assign(static_cast<size_t>(T * k), 0.0f);
+  ids.assign(static_cast<size_t>(T * k), 0);
+  std::vector<std::pair<float, int32_t>> c(static_cast<size_t>(tps * kl));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t r = 0; r < tps; ++r)
+      for (int64_t j = 0; j < kl; ++j) {
+        const size_t src = static_cast<size_t>((r * T + t) * kl + j);
+        c[static_cast<size_t>(r * kl + j)] = {cand_v[src], static_cast<int32_t>(cand_i[src])};
+      }
+    std::sort(c.begin(), c.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    for (int64_t j = 0; j < k; ++j) {
+      values[static_cast<size_t>(t * k + j)] = c[static_cast<size_t>(j)].first;
+      ids[static_cast<size_t>(t * k + j)] = c[static_cast<size_t>(j)].second;
+    }
+  }
 }
 
 }  // namespace ndt

@@ -11,6 +11,7 @@
 
 #include "core/tensor.h"
 #include "data/dataset.h"
+#include "model/cp_hooks.h"
 #include "model/params.h"
 #include "model/tp_hooks.h"
 #include "train/config.h"
@@ -55,6 +56,8 @@ class Transformer {
   Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, ParamStore* store = nullptr);
 
   ParamStore& params() { return *ps_; }
+  // Context parallelism: attention goes through `cp` (not owned; null = local attention).
+  void set_cp(CpHooks* cp) { cp_ = cp; }
   const ModelConfig& config() const { return cfg_; }
   const StageSpec& stage() const { return stage_; }
   int64_t local_vocab() const { return vocab_local_; }
@@ -72,6 +75,9 @@ class Transformer {
   // Greedy next token at the given token rows (global vocabulary ids, ties to the smallest id),
   // from acts.logits of the last forward (last stage).
   std::vector<int32_t> argmax_rows(const Activations& acts, const std::vector<int64_t>& rows) const;
+  // The k largest logits of every row of the last forward (last stage), values descending with ties to
+  // the smaller global id: values/ids (T, k). Collective over TP (shards' candidates are merged).
+  void topk_rows(const Activations& acts, int64_t k, std::vector<float>& values, std::vector<int32_t>& ids) const;
 
  private:
   Tensor layer_forward(int64_t l, const Microbatch& mb, const Tensor& x, LayerActs& a);
@@ -87,6 +93,7 @@ class Transformer {
   StageSpec stage_;
   TpHooks default_tp_;
   TpHooks* tp_;
+  CpHooks* cp_ = nullptr;
   ParamStore own_params_;
   ParamStore* ps_;
   int64_t heads_local_, kv_local_, ffn_local_, vocab_local_, vocab_start_;

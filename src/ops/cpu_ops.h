@@ -59,6 +59,20 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const float* v, const float* out, const float* lse, const int32_t* cu_seqlens,
                         int64_t nseq, int64_t T, int64_t H, int64_t KV, int64_t D, float scale);
 
+// General form, for context parallelism: queries and keys come from different row sets. Sequence s
+// has query rows [cu_q[s], cu_q[s+1]) of q(Tq, H, D) and key rows [cu_k[s], cu_k[s+1]) of k/v(Tk, KV, D);
+// query i may attend key j iff pos_k[j] <= pos_q[i] (global positions in the sequence). Rows with no
+// allowed key get out 0 and lse -inf (so partial results merge by log-sum-exp); query rows past
+// cu_q[nseq] get out 0 and lse 0. Backward recomputes P = exp(S - lse) from the lse and out it is given
+// (for ring attention: the final merged ones) and accumulates (+=) into dq, dk, dv.
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                       const int32_t* cu_q, const int32_t* cu_k, const int32_t* pos_q, const int32_t* pos_k,
+                       int64_t nseq, int64_t Tq, int64_t Tk, int64_t H, int64_t KV, int64_t D, float scale);
+void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
+                        const float* v, const float* out, const float* lse, const int32_t* cu_q,
+                        const int32_t* cu_k, const int32_t* pos_q, const int32_t* pos_k, int64_t nseq,
+                        int64_t Tq, int64_t Tk, int64_t H, int64_t KV, int64_t D, float scale);
+
 // ---- activations (elementwise over N) ----
 // GELU, tanh approximation (GPT-2).
 void gelu_forward(float* out, const float* inp, int64_t N);

@@ -1,5 +1,8 @@
 #include "ops/ops.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "ops/cpu_ops.h"
 
 namespace ndt::ops {
@@ -118,6 +121,54 @@ void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, 
   int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1);
   cpu::attention_backward(dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(), out.f32(),
                           lse.f32(), cu_seqlens.i32(), cu_seqlens.numel() - 1, T, H, KV, D, scale);
+}
+
+void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& cu_q, const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k,
+                       float scale) {
+  require_cpu(q, "attention_forward");
+  NDT_CHECK(cu_q.numel() == cu_k.numel() && pos_q.numel() == q.size(0) && pos_k.numel() == k.size(0),
+            "attention: query/key metadata do not match ({} / {} segments, {} / {} positions)", cu_q.numel(),
+            cu_k.numel(), pos_q.numel(), pos_k.numel());
+  cpu::attention_forward(out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), cu_q.i32(), cu_k.i32(), pos_q.i32(),
+                         pos_k.i32(), cu_q.numel() - 1, q.size(0), k.size(0), q.size(1), k.size(1), q.size(2),
+                         scale);
+}
+
+void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
+                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& cu_q,
+                        const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k, float scale) {
+  require_cpu(q, "attention_backward");
+  cpu::attention_backward(dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(), out.f32(),
+                          lse.f32(), cu_q.i32(), cu_k.i32(), pos_q.i32(), pos_k.i32(), cu_q.numel() - 1,
+                          q.size(0), k.size(0), q.size(1), k.size(1), q.size(2), scale);
+}
+
+Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& idx) {
+  require_cpu(src, "gather_rows");
+  Shape shape = src.shape();
+  const int64_t row = src.numel() / std::max<int64_t>(1, shape[0]), bytes = row * dtype_size(src.dtype());
+  shape[0] = static_cast<int64_t>(idx.size());
+  Tensor out = Tensor::empty(shape, src.dtype());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  char* d = static_cast<char*>(out.data_ptr());
+  for (size_t i = 0; i < idx.size(); ++i) {
+    NDT_CHECK(idx[i] >= 0 && idx[i] < src.size(0), "gather_rows: index {} outside {} rows", idx[i], src.size(0));
+    std::memcpy(d + static_cast<int64_t>(i) * bytes, s + idx[i] * bytes, static_cast<size_t>(bytes));
+  }
+  return out;
+}
+
+void scatter_add_rows(Tensor& dst, const Tensor& src, const std::vector<int64_t>& idx) {
+  require_cpu(src, "scatter_add_rows");
+  NDT_CHECK(src.dtype() == DType::F32 && dst.dtype() == DType::F32 && src.size(0) == static_cast<int64_t>(idx.size()),
+            "scatter_add_rows: f32 tensors with one index per source row");
+  const int64_t row = src.numel() / std::max<int64_t>(1, src.size(0));
+  for (size_t i = 0; i < idx.size(); ++i) {
+    NDT_CHECK(idx[i] >= 0 && idx[i] < dst.size(0), "scatter_add_rows: index {} outside {} rows", idx[i],
+              dst.size(0));
+    cpu::add_inplace(dst.f32() + idx[i] * row, src.f32() + static_cast<int64_t>(i) * row, row);
+  }
 }
 
 void gelu_forward(Tensor& out, const Tensor& inp) {

@@ -5,6 +5,8 @@
 // as in cpu_ops.h.
 #include <cstdint>
 
+#include <vector>
+
 #include "core/tensor.h"
 
 namespace ndt::ops {
@@ -38,6 +40,19 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& 
 void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                         const Tensor& cu_seqlens, float scale);
+// General form (context parallelism, contract in cpu_ops.h): queries q(Tq, H, D) against keys
+// k/v(Tk, KV, D) of the same sequences, cu_q/cu_k (nseq + 1), visible iff pos_k <= pos_q.
+void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& cu_q, const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k,
+                       float scale);
+void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
+                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& cu_q,
+                        const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k, float scale);
+
+// Row permutations (dim 0): gather_rows returns src[idx[i]] for each i; scatter_add_rows adds src[i]
+// into dst[idx[i]].
+Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& idx);
+void scatter_add_rows(Tensor& dst, const Tensor& src, const std::vector<int64_t>& idx);
 
 void gelu_forward(Tensor& out, const Tensor& inp);
 void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp);

@@ -32,8 +32,12 @@ Status validate_layout(const Config& cfg, int world_size) {
   Status st = Grid::validate(world_size, spec_of(p), div_of(cfg));
   if (!st) return st;
   const std::string layout = fmt::format("tp={} cp={} ep={} dp={} pp={}", p.tp, p.cp, p.ep, p.dp, p.pp);
-  if (p.cp > 1 || p.ep > 1)
-    return Status::error("layout " + layout + ": context and expert parallelism are not available yet");
+  if (p.ep > 1) return Status::error("layout " + layout + ": expert parallelism is not available yet");
+  if (p.cp > 1 && cfg.data.seq_len % (2 * p.cp) != 0)
+    return Status::error(fmt::format(
+        "context parallelism cuts each sequence into 2*cp = {} chunks: data.seq_len ({}) must be a multiple of "
+        "{} ({})",
+        2 * p.cp, cfg.data.seq_len, 2 * p.cp, layout));
   if (p.virtual_stages > 1 && p.pp == 1)
     return Status::error(
         fmt::format("parallel.virtual_stages={} needs pp > 1 ({})", p.virtual_stages, layout));
@@ -52,10 +56,11 @@ Status validate_layout(const Config& cfg, int world_size) {
       return Status::error(sched.status().message() + " (microbatches per step = samples per DP rank / " +
                            "train.micro_batch; " + layout + ")");
   }
-  if (p.sequence_parallel && (mbs * cfg.data.seq_len) % p.tp != 0)
-    return Status::error(
-        fmt::format("sequence parallel: micro_batch {} x seq_len {} tokens not divisible by tp={}", mbs,
-                    cfg.data.seq_len, p.tp));
+  // Packed microbatches get tail padding for SP (data/packing.h); padded ones must divide as they are.
+  if (p.sequence_parallel && !cfg.data.packing && (mbs * cfg.data.seq_len / p.cp) % p.tp != 0)
+    return Status::error(fmt::format(
+        "sequence parallel: micro_batch {} x seq_len {} tokens{} not divisible by tp={} (or use data.packing)",
+        mbs, cfg.data.seq_len, p.cp > 1 ? fmt::format(" / cp={}", p.cp) : "", p.tp));
   return Status::ok();
 }
 
@@ -76,6 +81,8 @@ RunComms Layout::comms() {
   RunComms c;
   c.world = world_;
   c.dp = &grid_->comm({"dp"});
+  c.cp = &grid_->comm({"cp"});
+  c.grad = &grid_->comm({"dp", "cp"});
   c.tp = &grid_->comm({"tp"});
   c.pp = &grid_->comm({"pp"});
   c.tp_hooks = tp_hooks_.get();

@@ -110,6 +110,9 @@ const std::vector<KeyDef>& schema() {
       int_key("data.seq_len", 1, 1 << 24, d(&D::seq_len)),
       int_key("data.addition_digits", 1, 18, d(&D::addition_digits)),  // operands must fit in int64
       int_key("data.seed", 0, kInf, d(&D::seed)),
+      int_key("data.min_seq_len", 0, 1 << 24, d(&D::min_seq_len)),
+      bool_key("data.packing", d(&D::packing)),
+      int_key("data.pack_tokens", 0, kInf, d(&D::pack_tokens)),
 
       int_key("train.seed", 0, kInf, t(&T::seed)),
       int_key("train.steps", 0, kInf, t(&T::steps)),
@@ -142,6 +145,7 @@ const std::vector<KeyDef>& schema() {
       bool_key("parallel.zero1", p(&P::zero1)),
       int_key("parallel.virtual_stages", 1, 1024, p(&P::virtual_stages)),
       str_key("parallel.schedule", {"1f1b", "interleaved", "gpipe"}, p(&P::schedule)),
+      str_key("parallel.cp_attention", {"ring", "allgather"}, p(&P::cp_attention)),
       str_key("parallel.stage_layers", {}, p(&P::stage_layers)),  // checked against the layout
   };
   return rows;
@@ -582,6 +586,15 @@ Status validate_config(const Config& c) {
     return errf("data.task must be one of addition, lm, shards, sft, got '{}'", d.task);
   if ((d.task == "shards" || d.task == "sft") && d.path.empty())
     return errf("data.path is required for data.task {}", d.task);
+  if (d.min_seq_len > d.seq_len)
+    return errf("data.min_seq_len ({}) must be <= data.seq_len ({})", d.min_seq_len, d.seq_len);
+  if (d.min_seq_len > 0 && d.task != "lm")
+    return errf("data.min_seq_len applies to data.task lm only, got task '{}'", d.task);
+  if (d.pack_tokens > 0 && !d.packing)
+    return errf("data.pack_tokens ({}) is set but data.packing is false", d.pack_tokens);
+  if (d.pack_tokens > 0 && d.pack_tokens < d.seq_len)
+    return errf("data.pack_tokens ({}) must be >= data.seq_len ({}): the longest sample must fit a microbatch",
+                d.pack_tokens, d.seq_len);
   if (d.tokenizer.empty())
     return errf("data.tokenizer must be 'byte' or a SentencePiece .model path, got ''");
 

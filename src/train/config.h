@@ -40,6 +40,12 @@ struct DataConfig {
   int64_t seq_len = 64;            // tokens per sample (after which samples are cut / padded)
   int64_t addition_digits = 3;     // addition task: operands have 1..addition_digits digits
   int64_t seed = 1234;             // data order / generation seed (independent of the init seed)
+  // lm task: when > 0, sample lengths (tokens) are drawn log-uniformly from [min_seq_len, seq_len].
+  int64_t min_seq_len = 0;
+  // Sequence packing (THD): samples laid end to end with cu_seqlens instead of each padded to seq_len,
+  // grouped into microbatches under a token budget (docs/data.md: the packing policy).
+  bool packing = false;
+  int64_t pack_tokens = 0;  // token budget per microbatch; 0 = micro_batch * seq_len
 };
 
 struct TrainConfig {
@@ -70,6 +76,7 @@ struct ParallelConfig {
   bool zero1 = false;
   int64_t virtual_stages = 1;
   std::string schedule = "1f1b";
+  std::string cp_attention = "ring";  // context parallel attention: "ring" (P2P) or "allgather"
   // Layers per virtual stage in stage order, comma-separated ("3,5" for pp=2); empty = even split.
   std::string stage_layers;
 };

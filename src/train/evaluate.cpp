@@ -4,48 +4,10 @@
 
 namespace ndt {
 
-Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, int64_t multiple) {
-  std::vector<int32_t> tokens, targets, positions, cu{0};
-  std::vector<float> mask;
-  int64_t max_len = 0;
-  auto push_seq = [&](const std::vector<int32_t>& ids, const std::vector<uint8_t>* m) {
-    const int64_t n = static_cast<int64_t>(ids.size()) - 1;
-    for (int64_t i = 0; i < n; ++i) {
-      tokens.push_back(ids[static_cast<size_t>(i)]);
-      targets.push_back(ids[static_cast<size_t>(i + 1)]);
-      positions.push_back(static_cast<int32_t>(i));
-      mask.push_back(m ? static_cast<float>((*m)[static_cast<size_t>(i + 1)]) : 0.0f);
-    }
-    cu.push_back(static_cast<int32_t>(tokens.size()));
-    max_len = std::max(max_len, n);
-  };
-  for (const Sample& s : samples) {
-    NDT_CHECK(s.tokens.size() >= 2 && s.loss_mask.size() == s.tokens.size(),
-              "sample needs >= 2 tokens and a mask");
-    push_seq(s.tokens, &s.loss_mask);
-  }
-  const int64_t rem = static_cast<int64_t>(tokens.size()) % multiple;
-  if (rem != 0) push_seq(std::vector<int32_t>(static_cast<size_t>(multiple - rem + 1), pad_id), nullptr);
-
-  Microbatch mb;
-  const int64_t T = static_cast<int64_t>(tokens.size());
-  mb.tokens = Tensor::from_vector(tokens, {T});
-  mb.targets = Tensor::from_vector(targets, {T});
-  mb.positions = Tensor::from_vector(positions, {T});
-  mb.loss_mask = Tensor::from_vector(mask, {T});
-  mb.cu_seqlens = Tensor::from_vector(cu, {static_cast<int64_t>(cu.size())});
-  mb.nseq = static_cast<int64_t>(cu.size()) - 1;
-  mb.max_seqlen = max_len;
-  int64_t n = 0;
-  for (float m : mask) n += m != 0.0f;
-  mb.num_loss_tokens = n;
-  return mb;
-}
-
 std::vector<std::vector<int32_t>> greedy_generate(const ArgmaxFn& model,
                                                   const std::vector<std::vector<int32_t>>& prompts,
                                                   int64_t max_new_tokens, int32_t eos_id, int32_t pad_id,
-                                                  int64_t token_multiple) {
+                                                  const PackLayout& layout) {
   const size_t n = prompts.size();
   std::vector<std::vector<int32_t>> out(n);
   std::vector<bool> done(n, false);
@@ -58,9 +20,11 @@ std::vector<std::vector<int32_t>> greedy_generate(const ArgmaxFn& model,
       seqs[i].tokens.push_back(pad_id);  // dummy target so the last real token is an input
       seqs[i].loss_mask.assign(seqs[i].tokens.size(), 0);
     }
-    Microbatch mb = pack_samples(seqs, pad_id, token_multiple);
+    Microbatch mb = pack_samples(seqs, pad_id, layout);
     std::vector<int64_t> rows(n);
-    for (size_t i = 0; i < n; ++i) rows[i] = mb.cu_seqlens.i32()[i + 1] - 1;
+    // The last real input of each sequence (sequences may carry padding after it).
+    for (size_t i = 0; i < n; ++i)
+      rows[i] = mb.cu_seqlens.i32()[i] + static_cast<int64_t>(seqs[i].tokens.size()) - 2;
     std::vector<int32_t> next = model(mb, rows);
     bool all_done = true;
     for (size_t i = 0; i < n; ++i) {
@@ -103,13 +67,13 @@ std::pair<int64_t, int64_t> dp_block(int64_t n, Communicator& dp) {
 }  // namespace
 
 double exact_match(const ArgmaxFn& model, const Tokenizer& tok, const std::vector<EvalProblem>& problems,
-                   int64_t max_new_tokens, Communicator& dp, int64_t token_multiple) {
+                   int64_t max_new_tokens, Communicator& dp, const PackLayout& layout) {
   auto [b, e] = dp_block(static_cast<int64_t>(problems.size()), dp);
   std::vector<std::vector<int32_t>> prompts;
   for (int64_t i = b; i < e; ++i) prompts.push_back(problems[static_cast<size_t>(i)].prompt);
   int64_t correct = 0;
   if (!prompts.empty()) {
-    auto gen = greedy_generate(model, prompts, max_new_tokens, tok.eos_id(), tok.pad_id(), token_multiple);
+    auto gen = greedy_generate(model, prompts, max_new_tokens, tok.eos_id(), tok.pad_id(), layout);
     for (size_t i = 0; i < gen.size(); ++i)
       correct += tok.decode(gen[i]) == problems[static_cast<size_t>(b) + i].answer;
   }
@@ -118,7 +82,7 @@ double exact_match(const ArgmaxFn& model, const Tokenizer& tok, const std::vecto
 }
 
 double validation_loss(const LossFn& model, const Dataset& data, int64_t n, int64_t seq_len, int32_t pad_id,
-                       int64_t batch, Communicator& dp, int64_t token_multiple) {
+                       int64_t batch, Communicator& dp, const PackLayout& layout) {
   if (data.size() >= 0) n = std::min(n, data.size());
   auto [b, e] = dp_block(n, dp);
   double sums[2] = {0, 0};  // loss sum, token count
@@ -132,7 +96,7 @@ double validation_loss(const LossFn& model, const Dataset& data, int64_t n, int6
       }
       samples.push_back(std::move(s));
     }
-    Microbatch mb = pack_samples(samples, pad_id, token_multiple);
+    Microbatch mb = pack_samples(samples, pad_id, layout);
     sums[0] += model(mb);
     sums[1] += static_cast<double>(mb.num_loss_tokens);
   }

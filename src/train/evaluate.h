@@ -6,15 +6,11 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "data/packing.h"
 #include "dist/communicator.h"
 #include "model/transformer.h"
 
 namespace ndt {
-
-// Lays samples end to end as one THD microbatch, unpadded: a sample of n tokens gives n-1 inputs and
-// targets, with its own loss mask. A trailing pad-only sequence makes the token count a multiple of
-// `multiple` (sequence parallelism); it bears no loss.
-Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, int64_t multiple = 1);
 
 // How evaluation runs the model: greedy next tokens at given rows, and the loss sum of a microbatch.
 // Collective over the model's TP (and PP) groups; argmax_fn/loss_fn adapt a single Transformer.
@@ -28,15 +24,15 @@ LossFn loss_fn(Transformer& model);
 std::vector<std::vector<int32_t>> greedy_generate(const ArgmaxFn& model,
                                                   const std::vector<std::vector<int32_t>>& prompts,
                                                   int64_t max_new_tokens, int32_t eos_id, int32_t pad_id,
-                                                  int64_t token_multiple = 1);
+                                                  const PackLayout& layout = {});
 
 // Fraction of problems whose greedy completion decodes exactly to the answer. Problems are split over
 // dp (contiguous blocks); the count is summed over dp.
 double exact_match(const ArgmaxFn& model, const Tokenizer& tok, const std::vector<EvalProblem>& problems,
-                   int64_t max_new_tokens, Communicator& dp, int64_t token_multiple = 1);
+                   int64_t max_new_tokens, Communicator& dp, const PackLayout& layout = {});
 
 // Mean token loss over samples [0, n) of a dataset (split over dp, summed exactly).
 double validation_loss(const LossFn& model, const Dataset& data, int64_t n, int64_t seq_len, int32_t pad_id,
-                       int64_t batch, Communicator& dp, int64_t token_multiple = 1);
+                       int64_t batch, Communicator& dp, const PackLayout& layout = {});
 
 }  // namespace ndt

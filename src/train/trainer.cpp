@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "data/packing.h"
 #include "data/synthetic.h"
 #include "train/evaluate.h"
 #include "train/schedule.h"
@@ -11,17 +12,21 @@ namespace ndt {
 Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const Dataset& train,
                  const Dataset* val)
     : cfg_(cfg), c_(comms), tok_(tok), train_(train), val_(val) {
-  if (!c_.world || !c_.dp || !c_.tp || !c_.pp) self_ = make_self_communicator();
-  for (Communicator** c : {&c_.world, &c_.dp, &c_.tp, &c_.pp})
+  if (!c_.world || !c_.dp || !c_.tp || !c_.pp || !c_.cp) self_ = make_self_communicator();
+  for (Communicator** c : {&c_.world, &c_.dp, &c_.tp, &c_.pp, &c_.cp})
     if (!*c) *c = self_.get();
+  if (!c_.grad) c_.grad = c_.dp;
+  NDT_CHECK(c_.grad->size() == c_.dp->size() * c_.cp->size(), "gradient group has {} ranks, dp x cp = {} x {}",
+            c_.grad->size(), c_.dp->size(), c_.cp->size());
   NDT_CHECK(tok_.vocab_size() <= cfg_.model.vocab_size,
             "tokenizer {} has {} tokens but model.vocab_size is {}", tok_.name(), tok_.vocab_size(),
             cfg_.model.vocab_size);
-  engine_ = std::make_unique<PipelineEngine>(cfg_, *c_.pp, c_.tp_hooks);
-  engine_->params().flatten(c_.dp->size());
+  engine_ = std::make_unique<PipelineEngine>(cfg_, *c_.pp, c_.tp_hooks, c_.cp);
+  pack_count_multiple_ = cfg_.parallel.virtual_stages > 1 ? c_.pp->size() : 1;  // interleaved needs m % p == 0
+  engine_->params().flatten(c_.grad->size());
   engine_->params().init(static_cast<uint64_t>(cfg_.train.seed));
   OptimizerComms oc;
-  oc.dp = c_.dp;
+  oc.dp = c_.grad;
   oc.tp = c_.tp;
   oc.norm_extra = c_.pp;
   oc.sequence_parallel = cfg_.parallel.sequence_parallel;
@@ -29,18 +34,35 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   opt_ = std::make_unique<Optimizer>(engine_->params(), cfg_.train, oc);
 }
 
+PackLayout Trainer::pack_layout_() const {
+  return pack_layout(c_.cp->size(), c_.tp->size(), cfg_.parallel.sequence_parallel, cfg_.data.seq_len);
+}
+
 std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
   const int64_t gb = cfg_.train.global_batch, dp = c_.dp->size();
   const int64_t per_rank = gb / dp;
   const int64_t mbs = cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : per_rank;
+  std::vector<Sample> samples;
+  for (int64_t i = 0; i < per_rank; ++i) {
+    const int64_t j = c_.dp->rank() * per_rank + i;  // position in the global batch
+    samples.push_back(train_.get(sample_index(cfg_.data.seed, step, j, gb, train_.size())));
+  }
   std::vector<Microbatch> out;
-  for (int64_t first = 0; first < per_rank; first += mbs) {
-    std::vector<Sample> samples;
-    for (int64_t i = first; i < std::min(per_rank, first + mbs); ++i) {
-      const int64_t j = c_.dp->rank() * per_rank + i;  // position in the global batch
-      samples.push_back(train_.get(sample_index(cfg_.data.seed, step, j, gb, train_.size())));
-    }
-    out.push_back(make_microbatch(samples, cfg_.data.seq_len, tok_.pad_id()));
+  if (!cfg_.data.packing) {  // every sample padded to seq_len, micro_batch samples per microbatch
+    for (int64_t first = 0; first < per_rank; first += mbs)
+      out.push_back(make_microbatch({samples.begin() + first, samples.begin() + std::min(per_rank, first + mbs)},
+                                    cfg_.data.seq_len, tok_.pad_id()));
+    return out;
+  }
+  // Packed: the same samples, grouped by the packing policy under the token budget (data/packing.h).
+  const PackLayout layout = pack_layout_();
+  std::vector<int64_t> lengths;
+  for (const Sample& s : samples) lengths.push_back(packed_length(s, layout));
+  const int64_t budget = cfg_.data.pack_tokens > 0 ? cfg_.data.pack_tokens : mbs * cfg_.data.seq_len;
+  for (const auto& bin : pack_into_microbatches(lengths, budget, pack_count_multiple_)) {
+    std::vector<Sample> group;
+    for (int64_t i : bin) group.push_back(samples[static_cast<size_t>(i)]);
+    out.push_back(pack_samples(group, tok_.pad_id(), layout));
   }
   return out;
 }
@@ -51,6 +73,8 @@ StepStats Trainer::train_step(int64_t step) {
   // Loss-bearing tokens of the whole global batch, known before any backward.
   int64_t n_tokens = 0;
   for (const auto& mb : mbs) n_tokens += mb.num_loss_tokens;
+  // Full microbatches: every CP rank of a replica holds the same ones, so DP alone sums the global count
+  // (the same as summing each CP shard's count over DP x CP).
   c_.dp->all_reduce(&n_tokens, 1, DType::I64, ReduceOp::Sum);
   NDT_CHECK(n_tokens > 0, "step {}: the global batch has no loss-bearing tokens", step);
   const float scale = 1.0f / static_cast<float>(n_tokens);
@@ -68,7 +92,7 @@ StepStats Trainer::train_step(int64_t step) {
   theory_bubble_ = engine_->theoretical_bubble(static_cast<int>(mbs.size()));
   engine_->sync_tied_grads();
   c_.pp->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);  // only the last stage holds a loss
-  c_.dp->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);
+  c_.grad->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);  // each CP rank holds its shard's part
   StepStats st;
   st.step = step;
   st.loss = loss_sum / static_cast<double>(n_tokens);
@@ -81,9 +105,15 @@ StepStats Trainer::train_step(int64_t step) {
   return st;
 }
 
+std::vector<SampleScores> Trainer::score(const std::vector<Sample>& samples, int64_t k) {
+  const int64_t per_rank = cfg_.train.global_batch / c_.dp->size();
+  return score_samples(*engine_, samples, k, pack_layout_(), tok_.pad_id(), *c_.dp,
+                       cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : per_rank);
+}
+
 EvalStats Trainer::evaluate() {
   EvalStats ev;
-  const int64_t mult = cfg_.parallel.sequence_parallel ? c_.tp->size() : 1;
+  const PackLayout layout = pack_layout_();
   if (cfg_.data.task == "addition") {
     auto problems =
         addition_eval_problems(cfg_.data.addition_digits, cfg_.data.seed, cfg_.train.eval_samples, tok_);
@@ -91,13 +121,13 @@ EvalStats Trainer::evaluate() {
     ArgmaxFn fn = [this](const Microbatch& mb, const std::vector<int64_t>& rows) {
       return engine_->argmax(mb, rows);
     };
-    ev.exact_match = exact_match(fn, tok_, problems, cfg_.data.addition_digits + 2, *c_.dp, mult);
+    ev.exact_match = exact_match(fn, tok_, problems, cfg_.data.addition_digits + 2, *c_.dp, layout);
   }
   if (val_) {
     ev.val_loss =
         validation_loss([this](const Microbatch& mb) { return engine_->loss_sum(mb); }, *val_,
                         cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
-                        std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp, mult);
+                        std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp, layout);
   }
   evals_.push_back(ev);
   return ev;

@@ -9,10 +9,12 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "data/packing.h"
 #include "dist/communicator.h"
 #include "model/transformer.h"
 #include "parallel/pp/pipeline.h"
 #include "train/config.h"
+#include "train/logprobs.h"
 #include "train/optimizer.h"
 
 namespace ndt {
@@ -20,7 +22,10 @@ namespace ndt {
 // The process groups a run uses (all may be one-rank communicators). Not owned.
 struct RunComms {
   Communicator* world = nullptr;
-  Communicator* dp = nullptr;  // data-parallel replicas (gradients and token counts reduced here)
+  Communicator* dp = nullptr;    // data-parallel replicas: which samples a rank trains on
+  Communicator* cp = nullptr;    // context-parallel group (each sequence split over it)
+  Communicator* grad = nullptr;  // DP x CP: every rank holding the same parameters (gradient reduction,
+                                 // ZeRO-1 shards, loss sums); null = dp
   Communicator* tp = nullptr;
   Communicator* pp = nullptr;   // pipeline stages (P2P, loss and grad-norm reductions)
   TpHooks* tp_hooks = nullptr;  // null: no tensor parallelism
@@ -47,6 +52,8 @@ class Trainer {
   // One optimizer step; collective over all ranks.
   StepStats train_step(int64_t step);
   EvalStats evaluate();
+  // Per-token logprobs and top-k logits of `samples` (original order, on every rank; collective).
+  std::vector<SampleScores> score(const std::vector<Sample>& samples, int64_t k);
   // Full run with logging, metrics, loss curve and final weights (rank 0 writes files).
   void run(std::function<void(const StepStats&)> on_step = nullptr);
 
@@ -63,10 +70,16 @@ class Trainer {
   // Write a Chrome trace of steps 1..3 (forward/backward/send/recv per rank) to `path` at the end of run().
   void set_trace(const std::string& path) { trace_path_ = path; }
   const std::vector<StepStats>& history() const { return history_; }
+  // Packed runs group a step's samples into a multiple of this many microbatches (pp under the
+  // interleaved schedule, else 1); settable so that a reference run can group like a layout does.
+  int64_t pack_count_multiple() const { return pack_count_multiple_; }
+  void set_pack_count_multiple(int64_t m) { pack_count_multiple_ = m; }
   int64_t count_params() const;
 
  private:
   std::vector<Microbatch> local_microbatches(int64_t step) const;
+  // Padding rules of this layout's packed microbatches (2·cp per sequence, tp·2·cp per stream under SP).
+  PackLayout pack_layout_() const;
   void gather_pipeline_params(std::vector<std::pair<std::string, Tensor>>& full, Communicator& pp);
   void report_pipeline(bool logger);
 
@@ -79,6 +92,7 @@ class Trainer {
   std::unique_ptr<PipelineEngine> engine_;
   std::string trace_path_;
   int64_t start_step_ = 0;
+  int64_t pack_count_multiple_ = 1;
   std::vector<pp::TraceEvent> trace_;
   double compute_s_ = 0, step_s_ = 0;  // summed over steps, for the measured pipeline bubble
   double theory_bubble_ = 0;

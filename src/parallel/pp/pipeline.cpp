@@ -3,6 +3,8 @@
 #include <chrono>
 #include <cstdlib>
 
+#include "parallel/cp/cp_shard.h"
+
 namespace ndt {
 namespace {
 
@@ -50,10 +52,11 @@ Result<std::vector<int64_t>> stage_boundaries(const ParallelConfig& par, int64_t
   return b;
 }
 
-PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp)
+PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp, Communicator* cp)
     : cfg_(cfg),
       pp_(pp),
       tp_(tp),
+      cp_(cp && cp->size() > 1 ? cp : nullptr),
       p_(pp.size()),
       v_(static_cast<int>(cfg.parallel.virtual_stages)),
       rank_(pp.rank()) {
@@ -66,12 +69,21 @@ PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp)
     StageSpec spec{b[static_cast<size_t>(s)], b[static_cast<size_t>(s) + 1], s == 0, s == S - 1};
     chunks_.push_back(std::make_unique<Transformer>(cfg_.model, spec, tp_, &store_));
   }
+  if (cp_) {
+    cp_attention_ = std::make_unique<CpAttention>(
+        *cp_, cfg_.parallel.cp_attention == "allgather" ? CpAttention::Mode::AllGather : CpAttention::Mode::Ring);
+    for (auto& c : chunks_) c->set_cp(cp_attention_.get());
+  }
   const bool tied = cfg_.model.tied() && p_ > 1;
   if (tied) {
     tied_ = pp_.subgroup({0, p_ - 1});
     // The last stage's copy of the tied table is the same parameter: count it once in the norm.
     if (rank_ == p_ - 1) store_.get("embed.tokens.weight").count_in_norm = false;
   }
+}
+
+Microbatch PipelineEngine::shard(const Microbatch& full) const {
+  return cp_ ? cp_shard(full, cp_->size(), cp_->rank()) : full;
 }
 
 int64_t PipelineEngine::local_tokens(const Microbatch& mb) const {
@@ -83,8 +95,10 @@ double PipelineEngine::theoretical_bubble(int m) const {
   return pp::theoretical_bubble(v_ > 1 ? "interleaved" : cfg_.parallel.schedule, p_, v_, m);
 }
 
-double PipelineEngine::train(const std::vector<Microbatch>& mbs, float loss_scale,
+double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss_scale,
                              std::vector<pp::TraceEvent>* trace, double t0_us) {
+  std::vector<Microbatch> mbs;
+  for (const Microbatch& mb : full_mbs) mbs.push_back(shard(mb));
   const int m = static_cast<int>(mbs.size());
   const std::string kind = v_ > 1 ? "interleaved" : (p_ == 1 ? "1f1b" : cfg_.parallel.schedule);
   auto sched = pp::make_schedule(kind, p_, v_, m);
@@ -192,21 +206,81 @@ bool PipelineEngine::forward_only(const Microbatch& mb, Activations& last_acts, 
   return have_last;
 }
 
-double PipelineEngine::loss_sum(const Microbatch& mb) {
+double PipelineEngine::loss_sum(const Microbatch& full) {
+  const Microbatch mb = shard(full);
   Activations acts;
   int c = 0;
   double loss = forward_only(mb, acts, &c) ? chunks_[static_cast<size_t>(c)]->loss_sum(mb, acts) : 0.0;
   pp_.broadcast(&loss, 1, DType::F64, p_ - 1);
+  if (cp_) cp_->all_reduce(&loss, 1, DType::F64, ReduceOp::Sum);
   return loss;
 }
 
-std::vector<int32_t> PipelineEngine::argmax(const Microbatch& mb, const std::vector<int64_t>& rows) {
+std::vector<int32_t> PipelineEngine::argmax(const Microbatch& full, const std::vector<int64_t>& rows) {
+  const Microbatch mb = shard(full);
+  // Under CP each rank answers the rows it holds (-1 elsewhere) and a max over CP combines them.
+  std::vector<int64_t> local_rows;
+  std::vector<size_t> which;
+  if (cp_) {
+    const std::vector<int64_t> mine = cp_rows(full, cp_->size(), cp_->rank());
+    std::map<int64_t, int64_t> local_of;
+    for (size_t i = 0; i < mine.size(); ++i) local_of[mine[i]] = static_cast<int64_t>(i);
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (auto it = local_of.find(rows[i]); it != local_of.end()) {
+        local_rows.push_back(it->second);
+        which.push_back(i);
+      }
+  } else {
+    local_rows = rows;
+    for (size_t i = 0; i < rows.size(); ++i) which.push_back(i);
+  }
   Activations acts;
   int c = 0;
-  std::vector<int32_t> out(rows.size());
-  if (forward_only(mb, acts, &c)) out = chunks_[static_cast<size_t>(c)]->argmax_rows(acts, rows);
+  std::vector<int32_t> out(rows.size(), -1);
+  if (forward_only(mb, acts, &c)) {
+    const std::vector<int32_t> got = chunks_[static_cast<size_t>(c)]->argmax_rows(acts, local_rows);
+    for (size_t i = 0; i < which.size(); ++i) out[which[i]] = got[i];
+  }
   pp_.broadcast(out.data(), static_cast<int64_t>(out.size()), DType::I32, p_ - 1);
+  if (cp_) cp_->all_reduce(out.data(), static_cast<int64_t>(out.size()), DType::I32, ReduceOp::Max);
   return out;
+}
+
+PipelineEngine::Scores PipelineEngine::scores(const Microbatch& full, int64_t k) {
+  const Microbatch mb = shard(full);
+  const int64_t T = full.num_tokens(), Tl = mb.num_tokens();
+  std::vector<int64_t> rows(static_cast<size_t>(Tl));
+  if (cp_)
+    rows = cp_rows(full, cp_->size(), cp_->rank());
+  else
+    for (int64_t t = 0; t < Tl; ++t) rows[static_cast<size_t>(t)] = t;
+  // Each rank writes its rows into zeroed full-size buffers; a sum over CP then assembles them.
+  Scores sc;
+  sc.logprob.assign(static_cast<size_t>(T), 0.0f);
+  sc.topk_value.assign(static_cast<size_t>(T * k), 0.0f);
+  std::vector<float> ids(static_cast<size_t>(T * k), 0.0f);  // ids < 2^24 travel exactly as floats
+  Activations acts;
+  int c = 0;
+  if (forward_only(mb, acts, &c)) {
+    std::vector<float> val;
+    std::vector<int32_t> id;
+    chunks_[static_cast<size_t>(c)]->topk_rows(acts, k, val, id);
+    for (int64_t t = 0; t < Tl; ++t) {
+      const auto g = static_cast<size_t>(rows[static_cast<size_t>(t)]);
+      sc.logprob[g] = acts.logprob.f32()[t];
+      for (int64_t j = 0; j < k; ++j) {
+        sc.topk_value[g * k + j] = val[static_cast<size_t>(t * k + j)];
+        ids[g * k + j] = static_cast<float>(id[static_cast<size_t>(t * k + j)]);
+      }
+    }
+  }
+  for (std::vector<float>* buf : {&sc.logprob, &sc.topk_value, &ids}) {
+    pp_.broadcast(buf->data(), static_cast<int64_t>(buf->size()), DType::F32, p_ - 1);
+    if (cp_) cp_->all_reduce(buf->data(), static_cast<int64_t>(buf->size()), DType::F32, ReduceOp::Sum);
+  }
+  sc.topk_id.resize(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) sc.topk_id[i] = static_cast<int32_t>(ids[i]);
+  return sc;
 }
 
 }  // namespace ndt

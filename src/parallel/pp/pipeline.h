@@ -12,6 +12,7 @@
 
 #include "dist/communicator.h"
 #include "model/transformer.h"
+#include "parallel/cp/cp_attention.h"
 #include "parallel/pp/schedule.h"
 #include "train/config.h"
 
@@ -23,8 +24,10 @@ Result<std::vector<int64_t>> stage_boundaries(const ParallelConfig& par, int64_t
 
 class PipelineEngine {
  public:
-  // Collective over pp (builds the tied-embedding group). tp may be null.
-  PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp);
+  // Collective over pp (builds the tied-embedding group). tp and cp may be null (one rank). With
+  // cp > 1 every method takes FULL microbatches (each sequence a multiple of 2·cp long) and runs this CP
+  // rank's shard of them (parallel/cp/cp_shard.h).
+  PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp, Communicator* cp = nullptr);
 
   ParamStore& params() { return store_; }
   Transformer& chunk(int c) { return *chunks_.at(static_cast<size_t>(c)); }
@@ -42,6 +45,15 @@ class PipelineEngine {
   // every pipeline rank.
   double loss_sum(const Microbatch& mb);
   std::vector<int32_t> argmax(const Microbatch& mb, const std::vector<int64_t>& rows);
+  // Per-token scores of a forward pass, for every row of the full microbatch, on every rank of the
+  // pipeline and CP groups: logprob[t] = log p(targets[t]) and the k largest logits of row t (values
+  // descending, ties to the smaller id), gathered over the vocabulary shards of TP.
+  struct Scores {
+    std::vector<float> logprob;     // (T)
+    std::vector<float> topk_value;  // (T, k)
+    std::vector<int32_t> topk_id;   // (T, k)
+  };
+  Scores scores(const Microbatch& mb, int64_t k);
 
   // Compute seconds of the last train() call (for the measured bubble).
   double last_compute_seconds() const { return compute_s_; }
@@ -51,6 +63,8 @@ class PipelineEngine {
   int stage_of(int chunk) const { return chunk * p_ + rank_; }
   bool is_last(int chunk) const { return stage_of(chunk) == p_ * v_ - 1; }
   int64_t local_tokens(const Microbatch& mb) const;
+  // This CP rank's shard of a full microbatch (the microbatch itself without CP).
+  Microbatch shard(const Microbatch& full) const;
   // Runs the stages in order with blocking send/recv; returns the last chunk's activations on the
   // last stage's rank (others: empty).
   bool forward_only(const Microbatch& mb, Activations& last_acts, int* last_chunk);
@@ -58,6 +72,8 @@ class PipelineEngine {
   Config cfg_;
   Communicator& pp_;
   TpHooks* tp_;
+  Communicator* cp_;
+  std::unique_ptr<CpAttention> cp_attention_;
   int p_, v_, rank_;
   ParamStore store_;
   std::vector<std::unique_ptr<Transformer>> chunks_;
