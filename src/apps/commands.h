@@ -15,5 +15,6 @@ Runner add_generate(CLI::App& app);
 Runner add_tokenize(CLI::App& app);
 Runner add_verify(CLI::App& app);
 Runner add_convert(CLI::App& app);
+Runner add_score(CLI::App& app);
 
 }  // namespace ndt::app

@@ -13,7 +13,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::map<CLI::App*, ndt::app::Runner> runners;
   for (auto add : {ndt::app::add_train, ndt::app::add_verify, ndt::app::add_generate, ndt::app::add_tokenize,
-                   ndt::app::add_convert}) {
+                   ndt::app::add_convert, ndt::app::add_score}) {
     ndt::app::Runner r = add(app);
     runners[app.get_subcommands({}).back()] = r;
   }
