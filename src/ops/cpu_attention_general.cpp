@@ -118,4 +118,24 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   }
 }
 
+void attention_merge(float* out, float* lse, const float* o, const float* l, int64_t rows, int64_t D) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < rows; ++i) {
+    if (l[i] == kNegInf) continue;
+    float a = 0.0f, b = 1.0f, merged = l[i];
+    if (lse[i] != kNegInf) {
+      const float m = std::max(lse[i], l[i]);
+      a = std::exp(lse[i] - m);
+      b = std::exp(l[i] - m);
+      const float s = a + b;
+      a /= s;
+      b /= s;
+      merged = m + std::log(s);
+    }
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] = a * out[i * D + d] + b * o[i * D + d];
+    lse[i] = merged;
+  }
+}
+
 }  // namespace ndt::cpu

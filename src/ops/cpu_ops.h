@@ -72,6 +72,11 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const float* v, const float* out, const float* lse, const int32_t* cu_q,
                         const int32_t* cu_k, const int32_t* pos_q, const int32_t* pos_k, int64_t nseq,
                         int64_t Tq, int64_t Tk, int64_t H, int64_t KV, int64_t D, float scale);
+// (out, lse) <- log-sum-exp merge of (out, lse) and a partial result (o, l) of the same queries over a
+// disjoint key set; `rows` lse entries,
+// each for D consecutive out elements (one head of one token). A side with lse -inf saw no key and
+// contributes nothing.
+void attention_merge(float* out, float* lse, const float* o, const float* l, int64_t rows, int64_t D);
 
 // ---- activations (elementwise over N) ----
 // GELU, tanh approximation (GPT-2).

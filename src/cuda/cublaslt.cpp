@@ -1,0 +1,268 @@
+// cuBLASLt gemm with cached handles, per-stream workspaces and per-problem algorithms; linear_forward and
+// linear_backward on top of it. Host code only (compiled by the host compiler, so it may use fmt).
+#include "cuda/cublaslt.h"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "core/check.h"
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_ops.h"
+
+namespace ndt::cuda {
+
+namespace detail {
+void broadcast_rows(void* out, const void* row, bool bf16, int64_t rows, int64_t cols, cudaStream_t stream);
+}
+
+void cublas_failed(cublasStatus_t status, const char* expr, const char* file, int line) {
+  check_failed(
+      file, line, expr,
+      fmt::format("cuBLAS status {} ({})", cublasGetStatusName(status), cublasGetStatusString(status)));
+}
+
+namespace {
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // what NVIDIA recommends for Hopper
+
+struct DeviceState {
+  cublasLtHandle_t lt = nullptr;
+  cublasHandle_t blas = nullptr;  // cublasGemmEx fallback, created on first need
+  std::map<cudaStream_t, void*> workspace;
+};
+
+// Everything that decides the algorithm. Alignments are those of the actual pointers (capped at 256).
+using PlanKey = std::tuple<int, int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           bool, int, int, int>;
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool ok = false;  // false: no cuBLASLt algorithm, use cublasGemmEx
+};
+
+std::mutex g_mutex;
+std::map<int, DeviceState> g_devices;
+std::map<PlanKey, Plan> g_plans;
+int64_t g_fallbacks = 0;
+
+int current_device() {
+  int dev = 0;
+  NDT_CUDA_CHECK(cudaGetDevice(&dev));
+  return dev;
+}
+
+DeviceState& device_state(int dev) {
+  DeviceState& s = g_devices[dev];
+  if (!s.lt) NDT_CUBLAS_CHECK(cublasLtCreate(&s.lt));
+  return s;
+}
+
+void* workspace(DeviceState& s, cudaStream_t stream) {
+  auto it = s.workspace.find(stream);
+  if (it != s.workspace.end()) return it->second;
+  void* p = nullptr;
+  NDT_CUDA_CHECK(cudaMalloc(&p, kWorkspaceBytes));
+  s.workspace.emplace(stream, p);
+  return p;
+}
+
+int alignment(const void* p) {
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  int a = 1;
+  while (a < 256 && (addr % (2 * a)) == 0) a *= 2;
+  return a;
+}
+
+cudaDataType_t cuda_type(DType t) { return t == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+// Column-major problem handed to cuBLAS: D(m, n) = op(A)(m, k) op(B)(k, n).
+struct ColMajor {
+  bool ta, tb;
+  int64_t m, n, k, lda, ldb, ldc;
+  const void *A, *B;
+};
+
+Plan make_plan(cublasLtHandle_t lt, DType ab, DType c, const ColMajor& p, bool bias, int align_a, int align_b,
+               int align_c) {
+  Plan plan;
+  NDT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t opa = p.ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = p.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  NDT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+  NDT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+  if (bias) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    const cudaDataType_t bt = cuda_type(c);
+    NDT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    NDT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+  }
+  const auto rows = [](bool t, int64_t r, int64_t cl) { return static_cast<uint64_t>(t ? cl : r); };
+  NDT_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&plan.a, cuda_type(ab), rows(p.ta, p.m, p.k), rows(p.ta, p.k, p.m), p.lda));
+  NDT_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&plan.b, cuda_type(ab), rows(p.tb, p.k, p.n), rows(p.tb, p.n, p.k), p.ldb));
+  NDT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, cuda_type(c), static_cast<uint64_t>(p.m),
+                                              static_cast<uint64_t>(p.n), p.ldc));
+  cublasLtMatmulPreference_t pref = nullptr;
+  NDT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = kWorkspaceBytes;
+  const uint32_t aa = align_a, ab_ = align_b, ac = align_c;
+  NDT_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  NDT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa,
+                                                        sizeof(aa)));
+  NDT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                        &ab_, sizeof(ab_)));
+  NDT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac,
+                                                        sizeof(ac)));
+  NDT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac,
+                                                        sizeof(ac)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(lt, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
+    plan.algo = result.algo;
+    plan.ok = true;
+  } else if (st != CUBLAS_STATUS_NOT_SUPPORTED) {
+    NDT_CUBLAS_CHECK(st);
+  }
+  return plan;
+}
+
+void fallback_gemm(DeviceState& s, DType ab, DType c, const ColMajor& p, float alpha, float beta, void* C,
+                   cudaStream_t stream) {
+  if (!s.blas) NDT_CUBLAS_CHECK(cublasCreate(&s.blas));  // default math mode: no TF32
+  NDT_CUBLAS_CHECK(cublasSetStream(s.blas, stream));
+  NDT_CUBLAS_CHECK(cublasGemmEx(s.blas, p.ta ? CUBLAS_OP_T : CUBLAS_OP_N, p.tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k), &alpha,
+                                p.A, cuda_type(ab), static_cast<int>(p.lda), p.B, cuda_type(ab),
+                                static_cast<int>(p.ldb), &beta, C, cuda_type(c), static_cast<int>(p.ldc),
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  ++g_fallbacks;
+}
+}  // namespace
+
+void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+          const void* A, int64_t lda, const void* B, int64_t ldb, float beta, void* C, int64_t ldc,
+          const void* bias, cudaStream_t stream) {
+  if (M <= 0 || N <= 0) return;
+  NDT_CHECK(K > 0, "gemm: K = {} (callers handle empty inner dims)", K);
+  NDT_CHECK(!(ab == DType::f32 && c == DType::bf16),
+            "gemm: fp32 inputs with a bf16 output are not supported");
+  // Row-major C(M, N) is column-major C^T(N, M) = op(B)^T op(A)^T: swap the operands.
+  const ColMajor p{trans_b, trans_a, N, M, K, ldb, lda, ldc, B, A};
+  // A bias epilogue needs an aligned bias vector; otherwise pre-fill C with the bias and accumulate.
+  const bool epilogue_bias = bias && (reinterpret_cast<uintptr_t>(bias) % 16) == 0;
+  if (bias && !epilogue_bias) {
+    detail::broadcast_rows(C, bias, c == DType::bf16, M, N, stream);
+    beta = 1.0f;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const int dev = current_device();
+  DeviceState& s = device_state(dev);
+  const int aa = alignment(p.A), ab_ = alignment(p.B), ac = alignment(C);
+  const PlanKey key{dev,
+                    static_cast<int>(ab),
+                    static_cast<int>(c),
+                    p.ta,
+                    p.tb,
+                    p.m,
+                    p.n,
+                    p.k,
+                    p.lda,
+                    p.ldb,
+                    p.ldc,
+                    epilogue_bias,
+                    aa,
+                    ab_,
+                    ac};
+  auto it = g_plans.find(key);
+  if (it == g_plans.end())
+    it = g_plans.emplace(key, make_plan(s.lt, ab, c, p, epilogue_bias, aa, ab_, ac)).first;
+  Plan& plan = it->second;
+  if (!plan.ok) {
+    if (epilogue_bias) {
+      detail::broadcast_rows(C, bias, c == DType::bf16, M, N, stream);
+      beta = 1.0f;
+    }
+    fallback_gemm(s, ab, c, p, alpha, beta, C, stream);
+    return;
+  }
+  if (epilogue_bias)
+    NDT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  NDT_CUBLAS_CHECK(cublasLtMatmul(s.lt, plan.desc, &alpha, p.A, plan.a, p.B, plan.b, &beta, C, plan.c, C,
+                                  plan.c, &plan.algo, workspace(s, stream), kWorkspaceBytes, stream));
+}
+
+cublasLtHandle_t cublaslt_handle() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return device_state(current_device()).lt;
+}
+
+int64_t gemm_fallback_count() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_fallbacks;
+}
+
+// ---- linear ----
+namespace {
+template <typename E>
+constexpr DType dtype_of() {
+  return std::is_same_v<E, float> ? DType::f32 : DType::bf16;
+}
+}  // namespace
+
+template <typename E>
+void linear_forward(E* out, const E* inp, const E* weight, const E* bias, int64_t T, int64_t IC, int64_t OC,
+                    cudaStream_t stream) {
+  if (T <= 0 || OC <= 0) return;
+  constexpr DType dt = dtype_of<E>();
+  if (IC == 0) {  // out = bias (or 0), as on CPU
+    if (bias)
+      detail::broadcast_rows(out, bias, dt == DType::bf16, T, OC, stream);
+    else
+      NDT_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(E) * T * OC, stream));
+    return;
+  }
+  // out(T, OC) = inp(T, IC) @ weight(OC, IC)^T + bias
+  gemm(dt, dt, false, true, T, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC, bias, stream);
+}
+
+template <typename E>
+void linear_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
+                     int64_t T, int64_t IC, int64_t OC, cudaStream_t stream) {
+  if (T <= 0 || OC <= 0) return;
+  constexpr DType dt = dtype_of<E>();
+  if (IC > 0) {
+    // dinp(T, IC) += dout(T, OC) @ weight(OC, IC)
+    if (dinp)
+      gemm(dt, dt, false, false, T, IC, OC, 1.0f, dout, OC, weight, IC, 1.0f, dinp, IC, nullptr, stream);
+    // dweight(OC, IC) += dout(T, OC)^T @ inp(T, IC), fp32 output
+    if (dweight)
+      gemm(dt, DType::f32, true, false, OC, IC, T, 1.0f, dout, OC, inp, IC, 1.0f, dweight, IC, nullptr,
+           stream);
+  }
+  if (dbias) bias_backward<E>(dbias, dout, T, OC, stream);
+}
+
+#define NDT_INSTANTIATE(E)                                                                             \
+  template void linear_forward<E>(E*, const E*, const E*, const E*, int64_t, int64_t, int64_t,         \
+                                  cudaStream_t);                                                       \
+  template void linear_backward<E>(E*, float*, float*, const E*, const E*, const E*, int64_t, int64_t, \
+                                   int64_t, cudaStream_t);
+NDT_INSTANTIATE(float)
+NDT_INSTANTIATE(__nv_bfloat16)
+#undef NDT_INSTANTIATE
+
+}  // namespace ndt::cuda

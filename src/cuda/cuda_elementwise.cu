@@ -1,0 +1,210 @@
+// Elementwise ops: GELU (tanh), SwiGLU, residual add, scale/add in place, f32<->bf16 casts. Math in fp32
+// with the CPU twin's formulas (tanhf/expf, not fast intrinsics, so fp32 matches to ~1e-7).
+#include "cuda/cuda_kernel_utils.cuh"
+#include "cuda/cuda_ops.h"
+
+namespace ndt::cuda {
+
+namespace {
+using detail::load;
+using detail::store;
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+
+template <typename E>
+struct GeluFwd {
+  E* out;
+  const E* inp;
+  template <int N>
+  __device__ void apply(int64_t i) const {
+    float x[N], y[N];
+    load<N>(x, inp, i);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float u = kGeluScale * (x[k] + kGeluCubic * x[k] * x[k] * x[k]);
+      y[k] = 0.5f * x[k] * (1.0f + tanhf(u));
+    }
+    store<N>(out, i, y);
+  }
+};
+
+template <typename E>
+struct GeluBwd {
+  E* dinp;
+  const E* dout;
+  const E* inp;
+  template <int N>
+  __device__ void apply(int64_t i) const {
+    float x[N], g[N], d[N];
+    load<N>(x, inp, i);
+    load<N>(g, dout, i);
+    load<N>(d, dinp, i);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float u = kGeluScale * (x[k] + kGeluCubic * x[k] * x[k] * x[k]);
+      const float th = tanhf(u);
+      const float sech2 = 1.0f - th * th;
+      const float grad =
+          0.5f * (1.0f + th) + 0.5f * x[k] * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCubic * x[k] * x[k]);
+      d[k] += grad * g[k];
+    }
+    store<N>(dinp, i, d);
+  }
+};
+
+template <typename E>
+struct SwigluFwd {
+  E* out;
+  const E* gate;
+  const E* up;
+  template <int N>
+  __device__ void apply(int64_t i) const {
+    float g[N], u[N], y[N];
+    load<N>(g, gate, i);
+    load<N>(u, up, i);
+#pragma unroll
+    for (int k = 0; k < N; ++k) y[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    store<N>(out, i, y);
+  }
+};
+
+template <typename E>
+struct SwigluBwd {
+  E* dgate;
+  E* dup;
+  const E* dout;
+  const E* gate;
+  const E* up;
+  template <int N>
+  __device__ void apply(int64_t i) const {
+    float g[N], u[N], go[N], a[N];
+    load<N>(g, gate, i);
+    load<N>(u, up, i);
+    load<N>(go, dout, i);
+    if (dgate) {
+      load<N>(a, dgate, i);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const float sig = 1.0f / (1.0f + expf(-g[k]));
+        a[k] += go[k] * u[k] * sig * (1.0f + g[k] * (1.0f - sig));
+      }
+      store<N>(dgate, i, a);
+    }
+    if (dup) {
+      load<N>(a, dup, i);
+#pragma unroll
+      for (int k = 0; k < N; ++k) a[k] += go[k] * g[k] / (1.0f + expf(-g[k]));
+      store<N>(dup, i, a);
+    }
+  }
+};
+
+template <typename E>
+struct AddOp {  // out = a + b
+  E* out;
+  const E* a;
+  const E* b;
+  template <int N>
+  __device__ void apply(int64_t i) const {
+    float x[N], y[N];
+    load<N>(x, a, i);
+    load<N>(y, b, i);
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] += y[k];
+    store<N>(out, i, x);
+  }
+};
+
+template <typename E>
+struct ScaleOp {
+  E* x;
+  float s;
+  template <int N>
+  __device__ void apply(int64_t i) const {
+    float v[N];
+    load<N>(v, x, i);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] *= s;
+    store<N>(x, i, v);
+  }
+};
+
+template <typename In, typename Out>
+struct CastOp {
+  Out* out;
+  const In* in;
+  template <int N>
+  __device__ void apply(int64_t i) const {
+    float v[N];
+    load<N>(v, in, i);
+    store<N>(out, i, v);
+  }
+};
+
+using detail::all_aligned16;
+using detail::launch_elementwise;
+}  // namespace
+
+template <typename E>
+void gelu_forward(E* out, const E* inp, int64_t N, cudaStream_t stream) {
+  launch_elementwise<E>(GeluFwd<E>{out, inp}, N, all_aligned16({out, inp}), stream);
+}
+
+template <typename E>
+void gelu_backward(E* dinp, const E* dout, const E* inp, int64_t N, cudaStream_t stream) {
+  if (!dinp) return;
+  launch_elementwise<E>(GeluBwd<E>{dinp, dout, inp}, N, all_aligned16({dinp, dout, inp}), stream);
+}
+
+template <typename E>
+void swiglu_forward(E* out, const E* gate, const E* up, int64_t N, cudaStream_t stream) {
+  launch_elementwise<E>(SwigluFwd<E>{out, gate, up}, N, all_aligned16({out, gate, up}), stream);
+}
+
+template <typename E>
+void swiglu_backward(E* dgate, E* dup, const E* dout, const E* gate, const E* up, int64_t N,
+                     cudaStream_t stream) {
+  if (!dgate && !dup) return;
+  launch_elementwise<E>(SwigluBwd<E>{dgate, dup, dout, gate, up}, N,
+                        all_aligned16({dgate, dup, dout, gate, up}), stream);
+}
+
+template <typename E>
+void residual_forward(E* out, const E* a, const E* b, int64_t N, cudaStream_t stream) {
+  launch_elementwise<E>(AddOp<E>{out, a, b}, N, all_aligned16({out, a, b}), stream);
+}
+
+template <typename E>
+void scale_inplace(E* x, float s, int64_t n, cudaStream_t stream) {
+  launch_elementwise<E>(ScaleOp<E>{x, s}, n, all_aligned16({x}), stream);
+}
+
+template <typename E>
+void add_inplace(E* y, const E* x, int64_t n, cudaStream_t stream) {
+  launch_elementwise<E>(AddOp<E>{y, y, x}, n, all_aligned16({y, x}), stream);
+}
+
+void cast(__nv_bfloat16* out, const float* in, int64_t n, cudaStream_t stream) {
+  // Vector width of the narrower side (8 bf16 = 16 bytes; its 8 floats are two aligned 16-byte loads).
+  launch_elementwise<__nv_bfloat16>(CastOp<float, __nv_bfloat16>{out, in}, n,
+                                    detail::all_aligned16({out, in}), stream);
+}
+
+void cast(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t stream) {
+  launch_elementwise<__nv_bfloat16>(CastOp<__nv_bfloat16, float>{out, in}, n,
+                                    detail::all_aligned16({out, in}), stream);
+}
+
+#define NDT_INSTANTIATE(E)                                                                       \
+  template void gelu_forward<E>(E*, const E*, int64_t, cudaStream_t);                            \
+  template void gelu_backward<E>(E*, const E*, const E*, int64_t, cudaStream_t);                 \
+  template void swiglu_forward<E>(E*, const E*, const E*, int64_t, cudaStream_t);                \
+  template void swiglu_backward<E>(E*, E*, const E*, const E*, const E*, int64_t, cudaStream_t); \
+  template void residual_forward<E>(E*, const E*, const E*, int64_t, cudaStream_t);              \
+  template void scale_inplace<E>(E*, float, int64_t, cudaStream_t);                              \
+  template void add_inplace<E>(E*, const E*, int64_t, cudaStream_t);
+NDT_INSTANTIATE(float)
+NDT_INSTANTIATE(__nv_bfloat16)
+#undef NDT_INSTANTIATE
+
+}  // namespace ndt::cuda

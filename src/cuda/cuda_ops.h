@@ -1,0 +1,167 @@
+#pragma once
+// CUDA twins of the CPU reference kernels (src/ops/cpu_ops.h), attention excepted (cuda_attention.h).
+// Same names, argument order and semantics as ndt::cpu, on raw DEVICE pointers, plus a trailing
+// `cudaStream_t stream = 0`. All launches are asynchronous on `stream` unless a function says it syncs.
+//
+// Element types. `E` is the activation type: float or __nv_bfloat16 (explicit instantiations only).
+// - activations, activation gradients and parameter VALUES passed to kernels are E (the caller keeps a
+//   bf16 compute copy of its fp32 master weights);
+// - parameter GRADIENTS (dweight, dbias, norm dweight/dbias, dtable, dpos_table) are always float*;
+// - per-row statistics (mean, rstd, rowmax, sumexp, target_logit, logprob, dloss) are float*.
+// Every reduction accumulates in fp32 (sum_squares in double). Parameter-gradient reductions over rows
+// (linear dbias, norm dweight/dbias, embedding dtable) are deterministic: fixed summation order, no
+// float atomics, so two runs give bit-identical gradients.
+//
+// Gradient convention (as on CPU): every backward ACCUMULATES (+=) into all its d-outputs, including E
+// ones (a bf16 dinp is read, added to in fp32 and rounded once); a null d-pointer means "not needed".
+//
+// Alignment: no requirement for correctness. Kernels take 16-byte vector paths when every pointer is
+// 16-byte aligned and the row length is a multiple of 16/sizeof(E), scalar paths otherwise. Matmuls:
+// see cublaslt.h (any leading dim works; multiples of 8 elements with 16-byte aligned pointers hit the
+// fast tensor-core kernels).
+//
+// Scratch: deterministic reductions take temporary device memory from the stream-ordered allocator
+// (cudaMallocAsync/cudaFreeAsync on `stream`), so they are graph-capturable only with a memory pool.
+// Out-of-range ids: embedding ids outside [vocab_start, vocab_start + V) give 0 rows (another shard
+// owns them), as on CPU. Positions outside [0, P) cannot throw on the device: their rows are skipped
+// (forward adds nothing, backward drops the row); callers validate positions on the host.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace ndt::cuda {
+
+// ---- embedding (vocab-parallel ready) ----
+template <typename E>
+void embedding_forward(E* out, const int32_t* ids, const E* table, int64_t T, int64_t V, int64_t C,
+                       int64_t vocab_start, cudaStream_t stream = 0);
+// dtable(V, C) += scatter of dout rows; deterministic (stable sort of ids, then per-id row sums in token
+// order).
+template <typename E>
+void embedding_backward(float* dtable, const E* dout, const int32_t* ids, int64_t T, int64_t V, int64_t C,
+                        int64_t vocab_start, cudaStream_t stream = 0);
+// out(T, C) += pos_table(P, C)[pos[t]]
+template <typename E>
+void add_position_embedding_forward(E* out, const int32_t* pos, const E* pos_table, int64_t T, int64_t P,
+                                    int64_t C, cudaStream_t stream = 0);
+template <typename E>
+void add_position_embedding_backward(float* dpos_table, const E* dout, const int32_t* pos, int64_t T,
+                                     int64_t P, int64_t C, cudaStream_t stream = 0);
+
+// ---- linear through cuBLASLt (implemented in cublaslt.cpp) ----
+// out(T, OC) = inp(T, IC) @ weight(OC, IC)^T + bias(OC); bias (may be null) fused as an epilogue.
+// fp32: exact fp32 math (no TF32). bf16: bf16 inputs, fp32 accumulation, bf16 output.
+template <typename E>
+void linear_forward(E* out, const E* inp, const E* weight, const E* bias, int64_t T, int64_t IC, int64_t OC,
+                    cudaStream_t stream = 0);
+// dinp(T, IC) += dout @ weight (beta = 1, in E); dweight(OC, IC) += dout^T @ inp (E inputs, fp32 C/D);
+// dbias(OC) += column sums of dout (deterministic kernel).
+template <typename E>
+void linear_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
+                     int64_t T, int64_t IC, int64_t OC, cudaStream_t stream = 0);
+// dbias(OC) += sum over rows of dout(T, OC) (the linear dbias, exported for fused/sharded callers).
+template <typename E>
+void bias_backward(float* dbias, const E* dout, int64_t T, int64_t OC, cudaStream_t stream = 0);
+
+// ---- norms over the last dim (one warp per row); mean/rstd (may be null in forward) saved per row ----
+template <typename E>
+void layernorm_forward(E* out, float* mean, float* rstd, const E* inp, const E* weight, const E* bias,
+                       int64_t T, int64_t C, float eps, cudaStream_t stream = 0);
+template <typename E>
+void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
+                        const float* mean, const float* rstd, int64_t T, int64_t C, cudaStream_t stream = 0);
+template <typename E>
+void rmsnorm_forward(E* out, float* rstd, const E* inp, const E* weight, int64_t T, int64_t C, float eps,
+                     cudaStream_t stream = 0);
+template <typename E>
+void rmsnorm_backward(E* dinp, float* dweight, const E* dout, const E* inp, const E* weight,
+                      const float* rstd, int64_t T, int64_t C, cudaStream_t stream = 0);
+
+// ---- rotary embedding on (T, H, D), rotate_half layout; angles in double as on CPU. inp == out ok ----
+template <typename E>
+void rope_forward(E* out, const E* inp, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta,
+                  cudaStream_t stream = 0);
+// dinp += inverse rotation of dout (dinp == dout is NOT allowed: it accumulates).
+template <typename E>
+void rope_backward(E* dinp, const E* dout, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta,
+                   cudaStream_t stream = 0);
+
+// ---- activations (elementwise over N) ----
+template <typename E>
+void gelu_forward(E* out, const E* inp, int64_t N, cudaStream_t stream = 0);
+template <typename E>
+void gelu_backward(E* dinp, const E* dout, const E* inp, int64_t N, cudaStream_t stream = 0);
+template <typename E>
+void swiglu_forward(E* out, const E* gate, const E* up, int64_t N, cudaStream_t stream = 0);
+template <typename E>
+void swiglu_backward(E* dgate, E* dup, const E* dout, const E* gate, const E* up, int64_t N,
+                     cudaStream_t stream = 0);
+// out = a + b (residual stream; out may alias a or b).
+template <typename E>
+void residual_forward(E* out, const E* a, const E* b, int64_t N, cudaStream_t stream = 0);
+
+// ---- softmax cross-entropy in vocab-parallel pieces (logits E, everything per-row float) ----
+template <typename E>
+void xent_rowmax(float* rowmax, const E* logits, int64_t T, int64_t V, cudaStream_t stream = 0);
+template <typename E>
+void xent_sumexp(float* sumexp, const E* logits, const float* rowmax, int64_t T, int64_t V,
+                 cudaStream_t stream = 0);
+// Fused single pass (online max + rescaled sum): equals xent_rowmax then xent_sumexp. Under TP, after
+// an all-reduce(max) of rowmax into global_max, call xent_rebase_sumexp before the all-reduce(sum).
+template <typename E>
+void xent_rowmax_sumexp(float* rowmax, float* sumexp, const E* logits, int64_t T, int64_t V,
+                        cudaStream_t stream = 0);
+// sumexp[t] *= exp(local_max[t] - global_max[t]) (0 when the local shard is empty: local_max = -inf).
+void xent_rebase_sumexp(float* sumexp, const float* local_max, const float* global_max, int64_t T,
+                        cudaStream_t stream = 0);
+template <typename E>
+void xent_target_logit(float* target_logit, const E* logits, const int32_t* targets, int64_t T, int64_t V,
+                       int64_t vocab_start, cudaStream_t stream = 0);
+void xent_logprob(float* logprob, const float* target_logit, const float* rowmax, const float* sumexp,
+                  int64_t T, cudaStream_t stream = 0);
+// dlogits[t][j] += dloss[t] * (softmax[t][j] - [j == target]); rows with dloss[t] == 0 are skipped.
+template <typename E>
+void xent_backward(E* dlogits, const E* logits, const float* rowmax, const float* sumexp,
+                   const int32_t* targets, const float* dloss, int64_t T, int64_t V, int64_t vocab_start,
+                   cudaStream_t stream = 0);
+// Memory-saving variant: OVERWRITES logits with dlogits = dloss * (softmax - onehot) (rows with
+// dloss[t] == 0 become 0). Not accumulating: use it when the logits buffer is dead after backward.
+template <typename E>
+void xent_backward_inplace(E* logits, const float* rowmax, const float* sumexp, const int32_t* targets,
+                           const float* dloss, int64_t T, int64_t V, int64_t vocab_start,
+                           cudaStream_t stream = 0);
+// One-rank convenience: losses[t] = -log softmax(logits[t])[targets[t]], 0 where mask[t] == 0 (mask may
+// be null). Synchronizes `stream`; returns the sum of the losses.
+template <typename E>
+double cross_entropy_forward(float* losses, const E* logits, const int32_t* targets, const float* mask,
+                             int64_t T, int64_t V, cudaStream_t stream = 0);
+
+// ---- optimizer helpers (fp32 master weights and state) ----
+// AdamW, PyTorch semantics, step counts from 1, one launch over a flat range of n elements. The effective
+// gradient is grad * grad_scale (fuses clipping). When param_bf16 is non-null, it receives the updated
+// parameters rounded to bf16 in the same pass (the compute copy).
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
+                  float beta2, float eps, float weight_decay, int64_t step,
+                  __nv_bfloat16* param_bf16 = nullptr, float grad_scale = 1.0f, cudaStream_t stream = 0);
+// *result (device double) = (accumulate ? *result : 0) + sum of x^2; deterministic (fixed blocks).
+void sum_squares_device(double* result, const float* x, int64_t n, bool accumulate = false,
+                        cudaStream_t stream = 0);
+// Host convenience (as cpu::sum_squares): synchronizes `stream`.
+double sum_squares(const float* x, int64_t n, cudaStream_t stream = 0);
+template <typename E>
+void scale_inplace(E* x, float s, int64_t n, cudaStream_t stream = 0);
+// y += x
+template <typename E>
+void add_inplace(E* y, const E* x, int64_t n, cudaStream_t stream = 0);
+
+// Log-sum-exp merge of a partial attention result (o, l) into (out, lse) (contract: cpu::attention_merge).
+template <typename E>
+void attention_merge(E* out, float* lse, const E* o, const float* l, int64_t rows, int64_t D,
+                     cudaStream_t stream = 0);
+
+// ---- casts (round to nearest even) ----
+void cast(__nv_bfloat16* out, const float* in, int64_t n, cudaStream_t stream = 0);
+void cast(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t stream = 0);
+
+}  // namespace ndt::cuda

@@ -1,0 +1,115 @@
+// Reductions: sum of squares (double, deterministic two-pass), linear bias gradient (deterministic column
+// sum), and the row broadcast used by the cublasGemmEx fallback for a bias.
+#include "cuda/cuda_kernel_utils.cuh"
+#include "cuda/cuda_ops.h"
+
+namespace ndt::cuda {
+
+namespace {
+using detail::to_f;
+constexpr int kSsBlock = 256;
+constexpr int64_t kSsChunk = 1 << 16;  // elements per partial: fixed, so the sum order never changes
+
+__device__ double block_sum_double(double x, double* sm) {
+  sm[threadIdx.x] = x;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (static_cast<int>(threadIdx.x) < s) sm[threadIdx.x] += sm[threadIdx.x + s];
+    __syncthreads();
+  }
+  return sm[0];
+}
+
+template <bool VEC>
+__global__ void sumsq_partial_kernel(double* partial, const float* x, int64_t n) {
+  __shared__ double sm[kSsBlock];
+  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kSsChunk;
+  const int64_t i1 = i0 + kSsChunk < n ? i0 + kSsChunk : n;
+  double acc = 0.0;
+  if (VEC) {  // i0 is a multiple of 4 and x is 16-byte aligned
+    const int64_t nv = (i1 - i0) / 4;
+    for (int64_t v = threadIdx.x; v < nv; v += kSsBlock) {
+      const float4 q = *reinterpret_cast<const float4*>(x + i0 + 4 * v);
+      acc += static_cast<double>(q.x) * q.x + static_cast<double>(q.y) * q.y +
+             static_cast<double>(q.z) * q.z + static_cast<double>(q.w) * q.w;
+    }
+    for (int64_t i = i0 + 4 * nv + threadIdx.x; i < i1; i += kSsBlock)
+      acc += static_cast<double>(x[i]) * x[i];
+  } else {
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += kSsBlock) acc += static_cast<double>(x[i]) * x[i];
+  }
+  const double s = block_sum_double(acc, sm);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+__global__ void sumsq_finish_kernel(double* result, const double* partial, int64_t nblk, bool accumulate) {
+  __shared__ double sm[kSsBlock];
+  double acc = 0.0;
+  for (int64_t b = threadIdx.x; b < nblk; b += kSsBlock) acc += partial[b];
+  const double s = block_sum_double(acc, sm);
+  if (threadIdx.x == 0) *result = accumulate ? *result + s : s;
+}
+
+template <typename E>
+struct ColumnOf {  // dbias term: dout itself
+  const E* dout;
+  int64_t C;
+  __device__ float value(int64_t t, int64_t c, int) const { return to_f(dout[t * C + c]); }
+};
+
+template <typename E>
+__global__ void broadcast_rows_kernel(E* out, const E* row, int64_t rows, int64_t cols) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols; i += stride)
+    out[i] = row[i % cols];
+}
+}  // namespace
+
+void sum_squares_device(double* result, const float* x, int64_t n, bool accumulate, cudaStream_t stream) {
+  const int64_t nblk = n > 0 ? (n + kSsChunk - 1) / kSsChunk : 0;
+  detail::Scratch partial(sizeof(double) * (nblk > 0 ? nblk : 1), stream);
+  if (nblk > 0) {
+    if (detail::aligned16(x))
+      sumsq_partial_kernel<true>
+          <<<static_cast<unsigned>(nblk), kSsBlock, 0, stream>>>(partial.as<double>(), x, n);
+    else
+      sumsq_partial_kernel<false>
+          <<<static_cast<unsigned>(nblk), kSsBlock, 0, stream>>>(partial.as<double>(), x, n);
+    NDT_CUDA_CHECK_LAUNCH();
+  }
+  sumsq_finish_kernel<<<1, kSsBlock, 0, stream>>>(result, partial.as<double>(), nblk, accumulate);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+double sum_squares(const float* x, int64_t n, cudaStream_t stream) {
+  detail::Scratch result(sizeof(double), stream);
+  sum_squares_device(result.as<double>(), x, n, false, stream);
+  double host = 0.0;
+  NDT_CUDA_CHECK(cudaMemcpyAsync(&host, result.as<double>(), sizeof(double), cudaMemcpyDeviceToHost, stream));
+  NDT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return host;
+}
+
+template <typename E>
+void bias_backward(float* dbias, const E* dout, int64_t T, int64_t OC, cudaStream_t stream) {
+  detail::colsum<1>(dbias, nullptr, ColumnOf<E>{dout, OC}, T, OC, stream);
+}
+template void bias_backward<float>(float*, const float*, int64_t, int64_t, cudaStream_t);
+template void bias_backward<__nv_bfloat16>(float*, const __nv_bfloat16*, int64_t, int64_t, cudaStream_t);
+
+namespace detail {
+// out(rows, cols) = row broadcast; used by the gemm fallback (cublaslt.cpp) to pre-fill a bias.
+void broadcast_rows(void* out, const void* row, bool bf16, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  const unsigned grid = grid_for(rows * cols, 256);
+  if (bf16)
+    broadcast_rows_kernel<<<grid, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(out),
+                                                    static_cast<const __nv_bfloat16*>(row), rows, cols);
+  else
+    broadcast_rows_kernel<<<grid, 256, 0, stream>>>(static_cast<float*>(out), static_cast<const float*>(row),
+                                                    rows, cols);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+}  // namespace detail
+
+}  // namespace ndt::cuda

@@ -1,0 +1,82 @@
+// Rotary position embedding, rotate_half layout. One block per token: the D/2 angles are computed once in
+// double (as on CPU: positions can be large, and fp32 angles would drift by pos * 6e-8 rad) into shared
+// memory, then every head of the token is rotated. Backward accumulates the inverse rotation.
+#include "cuda/cuda_kernel_utils.cuh"
+#include "cuda/cuda_ops.h"
+
+namespace ndt::cuda {
+
+namespace {
+using detail::from_f;
+using detail::to_f;
+
+template <typename E, bool ACCUMULATE>
+__global__ void rope_kernel(E* out, const E* inp, const int32_t* pos, int64_t H, int64_t D, double log_theta,
+                            float sign) {
+  extern __shared__ float cs_sn[];  // cos[half], then sin[half]
+  const int64_t t = blockIdx.x;
+  const int64_t half = D / 2;
+  for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+    // theta^(-2i/D) = exp(-2i/D * log theta); pow() in double on CPU, exp/log in double here (~1 ulp).
+    const double inv_freq = exp(-2.0 * static_cast<double>(i) / static_cast<double>(D) * log_theta);
+    double s, c;
+    sincos(static_cast<double>(pos[t]) * inv_freq, &s, &c);
+    cs_sn[i] = static_cast<float>(c);
+    cs_sn[half + i] = sign * static_cast<float>(s);
+  }
+  __syncthreads();
+  const E* x = inp + t * H * D;
+  E* o = out + t * H * D;
+  for (int64_t idx = threadIdx.x; idx < H * half; idx += blockDim.x) {
+    const int64_t h = idx / half, i = idx - h * half;
+    const int64_t j = h * D + i;
+    const float x1 = to_f(x[j]), x2 = to_f(x[j + half]);  // read both before writing: inp may alias out
+    const float c = cs_sn[i], s = cs_sn[half + i];
+    float y1 = x1 * c - x2 * s;
+    float y2 = x2 * c + x1 * s;
+    if (ACCUMULATE) {
+      y1 += to_f(o[j]);
+      y2 += to_f(o[j + half]);
+    }
+    o[j] = from_f<E>(y1);
+    o[j + half] = from_f<E>(y2);
+  }
+}
+
+template <typename E, bool ACCUMULATE>
+void rope(E* out, const E* inp, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta, float sign,
+          cudaStream_t stream) {
+  if (T <= 0 || H <= 0 || D <= 0) return;
+  NDT_CUDA_REQUIRE(D % 2 == 0, "rope: the head dim must be even");
+  const int block =
+      static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, (H * D / 2 + 31) / 32 * 32)));
+  const size_t smem = sizeof(float) * static_cast<size_t>(D);
+  rope_kernel<E, ACCUMULATE><<<static_cast<unsigned>(T), block, smem, stream>>>(
+      out, inp, pos, H, D, log(static_cast<double>(theta)), sign);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+template <typename E>
+void rope_forward(E* out, const E* inp, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta,
+                  cudaStream_t stream) {
+  rope<E, false>(out, inp, pos, T, H, D, theta, 1.0f, stream);
+}
+
+template <typename E>
+void rope_backward(E* dinp, const E* dout, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta,
+                   cudaStream_t stream) {
+  if (!dinp) return;
+  rope<E, true>(dinp, dout, pos, T, H, D, theta, -1.0f, stream);
+}
+
+#define NDT_INSTANTIATE(E)                                                                       \
+  template void rope_forward<E>(E*, const E*, const int32_t*, int64_t, int64_t, int64_t, float,  \
+                                cudaStream_t);                                                   \
+  template void rope_backward<E>(E*, const E*, const int32_t*, int64_t, int64_t, int64_t, float, \
+                                 cudaStream_t);
+NDT_INSTANTIATE(float)
+NDT_INSTANTIATE(__nv_bfloat16)
+#undef NDT_INSTANTIATE
+
+}  // namespace ndt::cuda

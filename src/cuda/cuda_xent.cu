@@ -1,0 +1,288 @@
+// Softmax cross-entropy in vocab-parallel pieces. One block per row of logits (V is large); rows are read
+// with 16-byte accesses after a short scalar head that reaches alignment (V need not be a multiple of 8).
+// exp/log are expf/logf as on CPU; sums in fp32 per thread and then a fixed-order block tree.
+#include <cmath>
+
+#include "cuda/cuda_kernel_utils.cuh"
+#include "cuda/cuda_ops.h"
+
+namespace ndt::cuda {
+
+namespace {
+using detail::from_f;
+using detail::load;
+using detail::to_f;
+constexpr int kBlock = 512;
+
+// Calls f(value, j) for every j in [0, n) of row p, split over the block's threads.
+template <typename E, typename F>
+__device__ __forceinline__ void row_foreach(const E* p, int64_t n, F&& f) {
+  constexpr int kV = detail::kVec<E>;
+  int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(p) & 15u)) & 15u) / sizeof(E));
+  if (head > n) head = n;
+  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) f(to_f(p[j]), j);
+  const int64_t nv = (n - head) / kV;
+  for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
+    float x[kV];
+    const int64_t j0 = head + v * kV;
+    load<kV>(x, p, j0);
+#pragma unroll
+    for (int k = 0; k < kV; ++k) f(x[k], j0 + k);
+  }
+  for (int64_t j = head + nv * kV + threadIdx.x; j < n; j += blockDim.x) f(to_f(p[j]), j);
+}
+
+// Block-wide reductions (result valid in every thread). `sm` holds 32 floats.
+__device__ float block_sum(float x, float* sm) {
+  x = detail::warp_sum(x);
+  if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = x;
+  __syncthreads();
+  const int nw = blockDim.x >> 5;
+  float r = static_cast<int>(threadIdx.x & 31) < nw ? sm[threadIdx.x & 31] : 0.f;
+  r = detail::warp_sum(r);
+  __syncthreads();  // sm may be reused right after
+  return r;
+}
+__device__ float block_max(float x, float* sm) {
+  x = detail::warp_max(x);
+  if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = x;
+  __syncthreads();
+  const int nw = blockDim.x >> 5;
+  float r = static_cast<int>(threadIdx.x & 31) < nw ? sm[threadIdx.x & 31] : -INFINITY;
+  r = detail::warp_max(r);
+  __syncthreads();
+  return r;
+}
+
+template <typename E>
+__global__ void rowmax_kernel(float* rowmax, const E* logits, int64_t V) {
+  __shared__ float sm[32];
+  float m = -INFINITY;  // an empty shard must not win the max
+  row_foreach(logits + blockIdx.x * V, V, [&](float x, int64_t) { m = fmaxf(m, x); });
+  m = block_max(m, sm);
+  if (threadIdx.x == 0) rowmax[blockIdx.x] = m;
+}
+
+template <typename E>
+__global__ void sumexp_kernel(float* sumexp, const E* logits, const float* rowmax, int64_t V) {
+  __shared__ float sm[32];
+  const float m = rowmax[blockIdx.x];
+  float s = 0.f;
+  row_foreach(logits + blockIdx.x * V, V, [&](float x, int64_t) { s += expf(x - m); });
+  s = block_sum(s, sm);
+  if (threadIdx.x == 0) sumexp[blockIdx.x] = s;
+}
+
+// Online softmax normalizer: each thread keeps (max, sum exp(x - max)), rescaled when the max grows.
+template <typename E>
+__global__ void rowmax_sumexp_kernel(float* rowmax, float* sumexp, const E* logits, int64_t V) {
+  __shared__ float sm[32];
+  float m = -INFINITY, s = 0.f;
+  row_foreach(logits + blockIdx.x * V, V, [&](float x, int64_t) {
+    if (x > m) {
+      s = s * expf(m - x) + 1.0f;  // expf(-inf) = 0 on the first element
+      m = x;
+    } else {
+      s += expf(x - m);
+    }
+  });
+  const float M = block_max(m, sm);
+  s = (m == -INFINITY) ? 0.f : s * expf(m - M);
+  s = block_sum(s, sm);
+  if (threadIdx.x == 0) {
+    rowmax[blockIdx.x] = M;
+    sumexp[blockIdx.x] = s;
+  }
+}
+
+__global__ void rebase_kernel(float* sumexp, const float* local_max, const float* global_max, int64_t T) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  sumexp[t] = local_max[t] == -INFINITY ? 0.f : sumexp[t] * expf(local_max[t] - global_max[t]);
+}
+
+template <typename E>
+__global__ void target_logit_kernel(float* tl, const E* logits, const int32_t* targets, int64_t T, int64_t V,
+                                    int64_t start) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  const int64_t j = static_cast<int64_t>(targets[t]) - start;
+  tl[t] = (j >= 0 && j < V) ? to_f(logits[t * V + j]) : 0.f;
+}
+
+__global__ void logprob_kernel(float* lp, const float* tl, const float* rowmax, const float* sumexp,
+                               int64_t T) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t < T) lp[t] = tl[t] - rowmax[t] - logf(sumexp[t]);
+}
+
+// INPLACE: d aliases the logits and is overwritten (0 for rows with dloss 0); else d += gradient.
+template <typename E, bool INPLACE>
+__global__ void xent_backward_kernel(E* dlogits, const E* logits, const float* rowmax, const float* sumexp,
+                                     const int32_t* targets, const float* dloss, int64_t V, int64_t start) {
+  const int64_t t = blockIdx.x;
+  const float dl = dloss[t];
+  E* d = dlogits + t * V;
+  if (dl == 0.0f) {
+    if (INPLACE)
+      for (int64_t j = threadIdx.x; j < V; j += blockDim.x) d[j] = from_f<E>(0.f);
+    return;
+  }
+  const float m = rowmax[t], scale = dl / sumexp[t];
+  const int64_t tj = static_cast<int64_t>(targets[t]) - start;  // outside [0, V): another shard's target
+  // Same row offset and (checked by the host) same base alignment: row_foreach's split fits both rows.
+  row_foreach(logits + t * V, V, [&](float x, int64_t j) {
+    float g = scale * expf(x - m);
+    if (j == tj) g -= dl;
+    d[j] = from_f<E>(INPLACE ? g : to_f(d[j]) + g);
+  });
+}
+
+template <typename E>
+__global__ void xent_backward_scalar_kernel(E* dlogits, const E* logits, const float* rowmax,
+                                            const float* sumexp, const int32_t* targets, const float* dloss,
+                                            int64_t V, int64_t start) {
+  const int64_t t = blockIdx.x;
+  const float dl = dloss[t];
+  if (dl == 0.0f) return;
+  const float m = rowmax[t], scale = dl / sumexp[t];
+  const int64_t tj = static_cast<int64_t>(targets[t]) - start;
+  const E* l = logits + t * V;
+  E* d = dlogits + t * V;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    float g = scale * expf(to_f(l[j]) - m);
+    if (j == tj) g -= dl;
+    d[j] = from_f<E>(to_f(d[j]) + g);
+  }
+}
+
+// losses[t] = mask[t] == 0 ? 0 : -(tl - max - log sumexp); *total = their sum (one block, fixed order).
+__global__ void loss_sum_kernel(float* losses, double* total, const float* tl, const float* rowmax,
+                                const float* sumexp, const float* mask, int64_t T) {
+  __shared__ double sm[1024];
+  double acc = 0.0;
+  for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
+    const float loss = (mask && mask[t] == 0.0f) ? 0.f : -(tl[t] - rowmax[t] - logf(sumexp[t]));
+    losses[t] = loss;
+    acc += loss;
+  }
+  sm[threadIdx.x] = acc;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (static_cast<int>(threadIdx.x) < s) sm[threadIdx.x] += sm[threadIdx.x + s];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *total = sm[0];
+}
+
+unsigned blocks_for(int64_t T) { return static_cast<unsigned>((T + 255) / 256); }
+}  // namespace
+
+template <typename E>
+void xent_rowmax(float* rowmax, const E* logits, int64_t T, int64_t V, cudaStream_t stream) {
+  if (T <= 0) return;
+  rowmax_kernel<E><<<static_cast<unsigned>(T), kBlock, 0, stream>>>(rowmax, logits, V);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename E>
+void xent_sumexp(float* sumexp, const E* logits, const float* rowmax, int64_t T, int64_t V,
+                 cudaStream_t stream) {
+  if (T <= 0) return;
+  sumexp_kernel<E><<<static_cast<unsigned>(T), kBlock, 0, stream>>>(sumexp, logits, rowmax, V);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename E>
+void xent_rowmax_sumexp(float* rowmax, float* sumexp, const E* logits, int64_t T, int64_t V,
+                        cudaStream_t stream) {
+  if (T <= 0) return;
+  rowmax_sumexp_kernel<E><<<static_cast<unsigned>(T), kBlock, 0, stream>>>(rowmax, sumexp, logits, V);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+void xent_rebase_sumexp(float* sumexp, const float* local_max, const float* global_max, int64_t T,
+                        cudaStream_t stream) {
+  if (T <= 0) return;
+  rebase_kernel<<<blocks_for(T), 256, 0, stream>>>(sumexp, local_max, global_max, T);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename E>
+void xent_target_logit(float* target_logit, const E* logits, const int32_t* targets, int64_t T, int64_t V,
+                       int64_t vocab_start, cudaStream_t stream) {
+  if (T <= 0) return;
+  target_logit_kernel<E><<<blocks_for(T), 256, 0, stream>>>(target_logit, logits, targets, T, V, vocab_start);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+void xent_logprob(float* logprob, const float* target_logit, const float* rowmax, const float* sumexp,
+                  int64_t T, cudaStream_t stream) {
+  if (T <= 0) return;
+  logprob_kernel<<<blocks_for(T), 256, 0, stream>>>(logprob, target_logit, rowmax, sumexp, T);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename E>
+void xent_backward(E* dlogits, const E* logits, const float* rowmax, const float* sumexp,
+                   const int32_t* targets, const float* dloss, int64_t T, int64_t V, int64_t vocab_start,
+                   cudaStream_t stream) {
+  if (!dlogits || T <= 0 || V <= 0) return;
+  const bool same_phase =
+      ((reinterpret_cast<uintptr_t>(dlogits) ^ reinterpret_cast<uintptr_t>(logits)) & 15u) == 0;
+  if (same_phase) {
+    xent_backward_kernel<E, false><<<static_cast<unsigned>(T), kBlock, 0, stream>>>(
+        dlogits, logits, rowmax, sumexp, targets, dloss, V, vocab_start);
+  } else {
+    xent_backward_scalar_kernel<E><<<static_cast<unsigned>(T), kBlock, 0, stream>>>(
+        dlogits, logits, rowmax, sumexp, targets, dloss, V, vocab_start);
+  }
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename E>
+void xent_backward_inplace(E* logits, const float* rowmax, const float* sumexp, const int32_t* targets,
+                           const float* dloss, int64_t T, int64_t V, int64_t vocab_start,
+                           cudaStream_t stream) {
+  if (T <= 0 || V <= 0) return;
+  xent_backward_kernel<E, true><<<static_cast<unsigned>(T), kBlock, 0, stream>>>(
+      logits, logits, rowmax, sumexp, targets, dloss, V, vocab_start);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename E>
+double cross_entropy_forward(float* losses, const E* logits, const int32_t* targets, const float* mask,
+                             int64_t T, int64_t V, cudaStream_t stream) {
+  if (T <= 0) return 0.0;
+  detail::Scratch buf(sizeof(double) + sizeof(float) * 3 * T, stream);
+  double* total = buf.as<double>();
+  float* rowmax = reinterpret_cast<float*>(total + 1);
+  float* sumexp = rowmax + T;
+  float* tl = sumexp + T;
+  xent_rowmax_sumexp<E>(rowmax, sumexp, logits, T, V, stream);
+  xent_target_logit<E>(tl, logits, targets, T, V, 0, stream);
+  loss_sum_kernel<<<1, 1024, 0, stream>>>(losses, total, tl, rowmax, sumexp, mask, T);
+  NDT_CUDA_CHECK_LAUNCH();
+  double host = 0.0;
+  NDT_CUDA_CHECK(cudaMemcpyAsync(&host, total, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  NDT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return host;
+}
+
+#define NDT_INSTANTIATE(E)                                                                                   \
+  template void xent_rowmax<E>(float*, const E*, int64_t, int64_t, cudaStream_t);                            \
+  template void xent_sumexp<E>(float*, const E*, const float*, int64_t, int64_t, cudaStream_t);              \
+  template void xent_rowmax_sumexp<E>(float*, float*, const E*, int64_t, int64_t, cudaStream_t);             \
+  template void xent_target_logit<E>(float*, const E*, const int32_t*, int64_t, int64_t, int64_t,            \
+                                     cudaStream_t);                                                          \
+  template void xent_backward<E>(E*, const E*, const float*, const float*, const int32_t*, const float*,     \
+                                 int64_t, int64_t, int64_t, cudaStream_t);                                   \
+  template void xent_backward_inplace<E>(E*, const float*, const float*, const int32_t*, const float*,       \
+                                         int64_t, int64_t, int64_t, cudaStream_t);                           \
+  template double cross_entropy_forward<E>(float*, const E*, const int32_t*, const float*, int64_t, int64_t, \
+                                           cudaStream_t);
+NDT_INSTANTIATE(float)
+NDT_INSTANTIATE(__nv_bfloat16)
+#undef NDT_INSTANTIATE
+
+}  // namespace ndt::cuda

@@ -1,0 +1,190 @@
+#include "cuda/runtime.h"
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "core/check.h"
+#include "cuda/cuda_check.h"
+
+namespace ndt::cuda {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+struct DeviceState {
+  std::once_flag once;
+  cudaStream_t stream = nullptr;
+  cudaMemPool_t pool = nullptr;
+};
+
+DeviceState& state() {
+  static DeviceState states[kMaxDevices];
+  int dev = 0;
+  NDT_CUDA_CHECK(cudaGetDevice(&dev));
+  NDT_CHECK(dev < kMaxDevices, "device index {} beyond {}", dev, kMaxDevices);
+  DeviceState& s = states[dev];
+  std::call_once(s.once, [&] {
+    NDT_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+    NDT_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&s.pool, dev));
+    // Keep freed memory in the pool: the next step's tensors reuse it without a driver call.
+    uint64_t threshold = UINT64_MAX;
+    NDT_CUDA_CHECK(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  });
+  return s;
+}
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+}  // namespace
+
+cudaStream_t stream() { return state().stream; }
+
+void* device_alloc(size_t bytes) {
+  DeviceState& s = state();
+  void* p = nullptr;
+  cudaError_t err = cudaMallocFromPoolAsync(&p, bytes, s.pool, s.stream);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    MemoryStats m = memory_stats();
+    NDT_FAIL(
+        "CUDA out of memory allocating {:.3f} GiB (device: {:.2f} of {:.2f} GiB in use, tensor peak {:.2f} "
+        "GiB)",
+        static_cast<double>(bytes) / kGiB, m.device_used_gib, m.device_total_gib, m.peak_allocated_gib);
+  }
+  NDT_CUDA_CHECK(err);
+  return p;
+}
+
+void device_free(void* p) noexcept {
+  if (!p) return;
+  try {
+    if (cudaFreeAsync(p, stream()) != cudaSuccess) cudaGetLastError();  // teardown: runtime may be gone
+  } catch (...) {
+  }
+}
+
+void copy_h2d(void* dst, const void* src, size_t bytes) {
+  if (bytes) NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream()));
+}
+
+void copy_d2h(void* dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream()));
+  NDT_CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
+void copy_d2d(void* dst, const void* src, size_t bytes) {
+  if (bytes) NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()));
+}
+
+void memset_zero(void* p, size_t bytes) {
+  if (bytes) NDT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream()));
+}
+
+void synchronize() { NDT_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+
+int select_device(int fallback_rank) {
+  int n = 0;
+  NDT_CUDA_CHECK(cudaGetDeviceCount(&n));
+  NDT_CHECK(n > 0, "train.device=cuda but no CUDA device is visible");
+  int local = fallback_rank;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"})
+    if (const char* v = std::getenv(var)) {
+      local = std::atoi(v);
+      break;
+    }
+  const int dev = local % n;
+  NDT_CUDA_CHECK(cudaSetDevice(dev));
+  state();
+  return dev;
+}
+
+int current_device() {
+  int dev = 0;
+  NDT_CUDA_CHECK(cudaGetDevice(&dev));
+  return dev;
+}
+
+MemoryStats memory_stats() {
+  DeviceState& s = state();
+  MemoryStats m;
+  uint64_t used_high = 0, reserved_high = 0;
+  NDT_CUDA_CHECK(cudaMemPoolGetAttribute(s.pool, cudaMemPoolAttrUsedMemHigh, &used_high));
+  NDT_CUDA_CHECK(cudaMemPoolGetAttribute(s.pool, cudaMemPoolAttrReservedMemHigh, &reserved_high));
+  size_t free_b = 0, total_b = 0;
+  NDT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  m.peak_allocated_gib = static_cast<double>(used_high) / kGiB;
+  m.peak_reserved_gib = static_cast<double>(reserved_high) / kGiB;
+  m.device_used_gib = static_cast<double>(total_b - free_b) / kGiB;
+  m.device_total_gib = static_cast<double>(total_b) / kGiB;
+  return m;
+}
+
+void reset_peak_memory() {
+  DeviceState& s = state();
+  uint64_t zero = 0;
+  NDT_CUDA_CHECK(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrUsedMemHigh, &zero));
+  NDT_CUDA_CHECK(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrReservedMemHigh, &zero));
+}
+
+// ---- phase timing ----
+namespace {
+struct Marks {
+  std::vector<std::pair<std::string, cudaEvent_t>> events;
+  std::vector<cudaEvent_t> free_events;
+};
+Marks& marks() {
+  static Marks m;
+  return m;
+}
+}  // namespace
+
+bool profiling_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("NDT_CUDA_PROFILE");
+    return v && *v && std::string(v) != "0";
+  }();
+  return on;
+}
+
+void mark(const char* label) {
+  if (!profiling_enabled()) return;
+  Marks& m = marks();
+  cudaEvent_t e;
+  if (!m.free_events.empty()) {
+    e = m.free_events.back();
+    m.free_events.pop_back();
+  } else {
+    NDT_CUDA_CHECK(cudaEventCreate(&e));
+  }
+  NDT_CUDA_CHECK(cudaEventRecord(e, stream()));
+  m.events.emplace_back(label, e);
+}
+
+std::string profile_report() {
+  if (!profiling_enabled()) return "";
+  Marks& m = marks();
+  synchronize();
+  std::vector<std::pair<std::string, double>> total;  // first-appearance order
+  for (size_t i = 0; i + 1 < m.events.size(); ++i) {
+    float ms = 0;
+    NDT_CUDA_CHECK(cudaEventElapsedTime(&ms, m.events[i].second, m.events[i + 1].second));
+    bool found = false;
+    for (auto& [name, t] : total)
+      if (name == m.events[i].first) {
+        t += ms;
+        found = true;
+      }
+    if (!found) total.emplace_back(m.events[i].first, ms);
+  }
+  std::string out;
+  for (auto& [name, t] : total) out += fmt::format("{}{} {:.2f} ms", out.empty() ? "" : " | ", name, t);
+  for (auto& [name, e] : m.events) m.free_events.push_back(e);
+  m.events.clear();
+  return out;
+}
+
+}  // namespace ndt::cuda

@@ -1,0 +1,59 @@
+#pragma once
+// The device side of Tensor storage: one compute stream per device, stream-ordered allocation from the
+// device's default memory pool, copies, and memory statistics. fmt-free (usable from .cu files).
+//
+// Contract:
+// - Every op of this process runs on stream() of the current device (one process drives one GPU;
+//   select_device picks it). Kernels, copies and frees are ordered on that stream, so a tensor freed
+//   right after the launch that reads it is safe (cudaFreeAsync is stream-ordered).
+// - device_alloc() takes memory from the device's default pool with the release threshold raised to "never",
+//   so memory freed by one step is reused by the next without going back to the driver (no cudaMalloc
+//   per op and no implicit device synchronization).
+// - Code that uses a tensor on ANOTHER stream (NCCL) must order that stream after stream() (event) before
+//   use, and back before the tensor is freed.
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace ndt::cuda {
+
+// The compute stream of the current device (non-blocking, created on first use).
+cudaStream_t stream();
+// Stream-ordered allocation/free on stream(). device_free() never throws (it runs in destructors, possibly
+// during process teardown).
+void* device_alloc(size_t bytes);
+void device_free(void* p) noexcept;
+// Copies on stream(). h2d returns once a pageable source is staged (the host buffer may be reused); d2h
+// waits for the copy (and therefore for all earlier work on the stream).
+void copy_h2d(void* dst, const void* src, size_t bytes);
+void copy_d2h(void* dst, const void* src, size_t bytes);
+void copy_d2d(void* dst, const void* src, size_t bytes);
+void memset_zero(void* p, size_t bytes);
+void synchronize();
+
+// Device of this process: local rank (OMPI/SLURM/MPI env, else `fallback_rank`) modulo the device
+// count; sets it current and returns its index.
+int select_device(int fallback_rank);
+int current_device();
+
+struct MemoryStats {
+  double peak_allocated_gib =
+      0;  // high-water mark of live tensor bytes in the pool (as torch's max_memory_allocated)
+  double peak_reserved_gib = 0;  // high-water mark of memory the pool held
+  double device_used_gib = 0;    // total - free of the whole device now (context, cuBLAS workspaces, pool)
+  double device_total_gib = 0;
+};
+MemoryStats memory_stats();
+void reset_peak_memory();
+
+// Optional phase timing with CUDA events (for profiling; enabled by NDT_CUDA_PROFILE=1 in the
+// environment, otherwise every call is a no-op). mark() records an event on stream() labelled with the
+// phase that STARTS there; profile_report() synchronizes, returns "label ms | label ms ..." for the
+// intervals between consecutive marks (same labels summed) and clears them.
+bool profiling_enabled();
+void mark(const char* label);
+std::string profile_report();
+
+}  // namespace ndt::cuda

@@ -1,0 +1,569 @@
+// CUDA ops against their CPU twins (ndt::cpu), in fp32 and bf16, on random never-zero inputs with odd
+// sizes. Outputs are poisoned with NaN (all-ones bytes) before each forward call, so an element left
+// unwritten fails; backward d-outputs are pre-filled with random values to check accumulation (+=).
+// Tolerance: relative L2 error ||gpu - cpu|| / ||cpu||: fp32 <= 1e-5 (matmuls too: no TF32), bf16 <= 1e-2
+// (the reference runs on the bf16-rounded inputs, so the error is the bf16 rounding of results).
+// CudaKernelBench.DISABLED_* prints timings (device runs only, never assertions).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/cublaslt.h"
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_ops.h"
+#include "gpu_test.h"
+#include "ops/cpu_ops.h"
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+using Vec = std::vector<float>;
+
+// Values in +-[lo, hi], never zero.
+Vec randv(size_t n, uint32_t seed, float lo = 0.1f, float hi = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> mag(lo, hi);
+  std::bernoulli_distribution neg(0.5);
+  Vec v(n);
+  for (auto& x : v) x = neg(rng) ? -mag(rng) : mag(rng);
+  return v;
+}
+
+std::vector<int32_t> randi(size_t n, uint32_t seed, int32_t lo, int32_t hi) {  // [lo, hi)
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> d(lo, hi - 1);
+  std::vector<int32_t> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+template <typename E>
+E to_e(float x) {
+  if constexpr (std::is_same_v<E, float>)
+    return x;
+  else
+    return __float2bfloat16_rn(x);
+}
+template <typename E>
+float from_e(E x) {
+  if constexpr (std::is_same_v<E, float>)
+    return x;
+  else
+    return __bfloat162float(x);
+}
+
+// The values a kernel on E actually sees (bf16 rounding), for the CPU reference.
+template <typename E>
+Vec rounded(const Vec& v) {
+  Vec r(v.size());
+  for (size_t i = 0; i < v.size(); ++i) r[i] = from_e<E>(to_e<E>(v[i]));
+  return r;
+}
+
+// Device buffer of n elements of E (+ `pad` spare elements, for offset-pointer tests), NaN-poisoned.
+template <typename E>
+struct Dev {
+  E* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t n_, size_t pad = 0) : n(n_) {
+    NDT_CUDA_CHECK(cudaMalloc(&p, sizeof(E) * (n + pad + 1)));
+    poison(pad);
+  }
+  Dev(const Vec& v) : Dev(v.size()) { upload(v); }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  void poison(size_t pad = 0) { NDT_CUDA_CHECK(cudaMemset(p, 0xFF, sizeof(E) * (n + pad + 1))); }
+  void upload(const Vec& v, size_t offset = 0) {
+    std::vector<E> h(v.size());
+    for (size_t i = 0; i < v.size(); ++i) h[i] = to_e<E>(v[i]);
+    NDT_CUDA_CHECK(cudaMemcpy(p + offset, h.data(), sizeof(E) * h.size(), cudaMemcpyHostToDevice));
+  }
+  Vec get(size_t offset = 0) const {
+    NDT_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<E> h(n);
+    NDT_CUDA_CHECK(cudaMemcpy(h.data(), p + offset, sizeof(E) * n, cudaMemcpyDeviceToHost));
+    Vec v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = from_e<E>(h[i]);
+    return v;
+  }
+};
+
+struct DevI {
+  int32_t* p = nullptr;
+  explicit DevI(const std::vector<int32_t>& v) {
+    NDT_CUDA_CHECK(cudaMalloc(&p, sizeof(int32_t) * std::max<size_t>(1, v.size())));
+    NDT_CUDA_CHECK(cudaMemcpy(p, v.data(), sizeof(int32_t) * v.size(), cudaMemcpyHostToDevice));
+  }
+  ~DevI() { cudaFree(p); }
+};
+
+double rel_l2(const Vec& out, const Vec& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(out[i])) return INFINITY;  // unwritten (poison) or broken
+    num += (double(out[i]) - ref[i]) * (double(out[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+template <typename E>
+double tol() {
+  return std::is_same_v<E, float> ? 1e-5 : 1e-2;
+}
+template <typename E>
+const char* tname() {
+  return std::is_same_v<E, float> ? "f32" : "bf16";
+}
+
+// Checks and prints one comparison: "[err] <op> <type> <rel L2>" (the device log keeps the worst per op).
+template <typename E>
+void expect_close(const char* op, const Vec& out, const Vec& ref, double tolerance = -1) {
+  const double t = tolerance > 0 ? tolerance : tol<E>();
+  const double e = rel_l2(out, ref);
+  std::printf("[err] %-28s %-4s %.3e (tol %.0e)\n", op, tname<E>(), e, t);
+  EXPECT_LE(e, t) << op << " " << tname<E>();
+}
+
+Vec add(const Vec& a, const Vec& b) {
+  Vec r(a);
+  for (size_t i = 0; i < r.size(); ++i) r[i] += b[i];
+  return r;
+}
+
+template <typename E>
+class CudaOps : public ::testing::Test {};
+using Types = ::testing::Types<float, bf16>;
+TYPED_TEST_SUITE(CudaOps, Types);
+
+constexpr int64_t T = 37, C = 96, V = 259;
+
+TYPED_TEST(CudaOps, Activations) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  const int64_t N = T * C + 5;  // vector body + scalar tail
+  const Vec x = rounded<E>(randv(N, 1, 0.1f, 3.f)), u = rounded<E>(randv(N, 2)), g = rounded<E>(randv(N, 3));
+  const Vec pre = rounded<E>(randv(N, 4)), pre2 = rounded<E>(randv(N, 5));
+  Dev<E> dx(x), du(u), dg(g), out(N, 1);
+  Vec ref(N);
+  // gelu forward, vector path and (pointer offset by one element) scalar path
+  ndt::cuda::gelu_forward<E>(out.p, dx.p, N);
+  ndt::cpu::gelu_forward(ref.data(), x.data(), N);
+  expect_close<E>("gelu_forward", out.get(), ref);
+  Dev<E> xs(N, 1);
+  xs.upload(x, 1);
+  out.poison(1);
+  ndt::cuda::gelu_forward<E>(out.p + 1, xs.p + 1, N);
+  expect_close<E>("gelu_forward(unaligned)", out.get(1), ref);
+  // gelu backward accumulates
+  out.upload(pre);
+  ref = pre;
+  ndt::cuda::gelu_backward<E>(out.p, dg.p, dx.p, N);
+  ndt::cpu::gelu_backward(ref.data(), g.data(), x.data(), N);
+  expect_close<E>("gelu_backward(+=)", out.get(), ref);
+  // swiglu
+  out.poison();
+  ndt::cuda::swiglu_forward<E>(out.p, dx.p, du.p, N);
+  ndt::cpu::swiglu_forward(ref.data(), x.data(), u.data(), N);
+  expect_close<E>("swiglu_forward", out.get(), ref);
+  Dev<E> dgate(pre), dup(pre2);
+  Vec rg = pre, ru = pre2;
+  ndt::cuda::swiglu_backward<E>(dgate.p, dup.p, dg.p, dx.p, du.p, N);
+  ndt::cpu::swiglu_backward(rg.data(), ru.data(), g.data(), x.data(), u.data(), N);
+  expect_close<E>("swiglu_backward dgate(+=)", dgate.get(), rg);
+  expect_close<E>("swiglu_backward dup(+=)", dup.get(), ru);
+  ndt::cuda::swiglu_backward<E>(nullptr, dup.p, dg.p, dx.p, du.p, N);  // null d-pointer: skipped
+  ndt::cpu::swiglu_backward(nullptr, ru.data(), g.data(), x.data(), u.data(), N);
+  expect_close<E>("swiglu_backward dup only", dup.get(), ru);
+  // residual, add_inplace, scale_inplace
+  out.poison();
+  ndt::cuda::residual_forward<E>(out.p, dx.p, du.p, N);
+  expect_close<E>("residual_forward", out.get(), add(x, u));
+  Dev<E> y(pre);
+  ndt::cuda::add_inplace<E>(y.p, dx.p, N);
+  Vec ry = pre;
+  ndt::cpu::add_inplace(ry.data(), x.data(), N);
+  expect_close<E>("add_inplace", y.get(), ry);
+  ndt::cuda::scale_inplace<E>(y.p, 0.37f, N);
+  ndt::cpu::scale_inplace(ry.data(), 0.37f, N);
+  expect_close<E>("scale_inplace", y.get(), ry);
+}
+
+TYPED_TEST(CudaOps, Norms) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  for (int64_t c : {C, int64_t{37}}) {  // vector path, scalar path
+    const int64_t n = T * c;
+    const Vec x = rounded<E>(randv(n, 10, 0.1f, 2.f)), w = rounded<E>(randv(c, 11)),
+              b = rounded<E>(randv(c, 12));
+    const Vec g = rounded<E>(randv(n, 13)), pre = rounded<E>(randv(n, 14)), prew = randv(c, 15),
+              preb = randv(c, 16);
+    Dev<E> dx(x), dw(w), db(b), dg(g), out(n);
+    Dev<float> mean(T), rstd(T);
+    Vec ro(n), rm(T), rr(T);
+    ndt::cuda::layernorm_forward<E>(out.p, mean.p, rstd.p, dx.p, dw.p, db.p, T, c, 1e-5f);
+    ndt::cpu::layernorm_forward(ro.data(), rm.data(), rr.data(), x.data(), w.data(), b.data(), T, c, 1e-5f);
+    expect_close<E>("layernorm_forward", out.get(), ro);
+    expect_close<E>("layernorm_forward mean", mean.get(), rm, 1e-5);
+    expect_close<E>("layernorm_forward rstd", rstd.get(), rr, 1e-5);
+    Dev<E> dinp(pre);
+    Dev<float> dweight(prew), dbias(preb);
+    Vec rdi = pre, rdw = prew, rdb = preb;
+    // Backward from the CPU statistics, so that only the backward kernel is measured.
+    mean.upload(rm);
+    rstd.upload(rr);
+    ndt::cuda::layernorm_backward<E>(dinp.p, dweight.p, dbias.p, dg.p, dx.p, dw.p, mean.p, rstd.p, T, c);
+    ndt::cpu::layernorm_backward(rdi.data(), rdw.data(), rdb.data(), g.data(), x.data(), w.data(), rm.data(),
+                                 rr.data(), T, c);
+    expect_close<E>("layernorm_backward dinp(+=)", dinp.get(), rdi);
+    expect_close<E>("layernorm_backward dweight(+=)", dweight.get(), rdw, 1e-5);
+    expect_close<E>("layernorm_backward dbias(+=)", dbias.get(), rdb, 1e-5);
+
+    out.poison();
+    rstd.poison();
+    ndt::cuda::rmsnorm_forward<E>(out.p, rstd.p, dx.p, dw.p, T, c, 1e-6f);
+    ndt::cpu::rmsnorm_forward(ro.data(), rr.data(), x.data(), w.data(), T, c, 1e-6f);
+    expect_close<E>("rmsnorm_forward", out.get(), ro);
+    expect_close<E>("rmsnorm_forward rstd", rstd.get(), rr, 1e-5);
+    dinp.upload(pre);
+    dweight.upload(prew);
+    rdi = pre;
+    rdw = prew;
+    rstd.upload(rr);
+    ndt::cuda::rmsnorm_backward<E>(dinp.p, dweight.p, dg.p, dx.p, dw.p, rstd.p, T, c);
+    ndt::cpu::rmsnorm_backward(rdi.data(), rdw.data(), g.data(), x.data(), w.data(), rr.data(), T, c);
+    expect_close<E>("rmsnorm_backward dinp(+=)", dinp.get(), rdi);
+    expect_close<E>("rmsnorm_backward dweight(+=)", dweight.get(), rdw, 1e-5);
+  }
+}
+
+TYPED_TEST(CudaOps, Rope) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  const int64_t H = 3;
+  for (int64_t D : {int64_t{16}, int64_t{64}}) {
+    const int64_t n = T * H * D;
+    const Vec x = rounded<E>(randv(n, 20)), pre = rounded<E>(randv(n, 21));
+    const auto pos = randi(T, 22, 0, 5000);  // large positions: angles need double precision
+    DevI dpos(pos);
+    Dev<E> dx(x), out(n);
+    Vec ref(n);
+    ndt::cuda::rope_forward<E>(out.p, dx.p, dpos.p, T, H, D, 10000.f);
+    ndt::cpu::rope_forward(ref.data(), x.data(), pos.data(), T, H, D, 10000.f);
+    expect_close<E>("rope_forward", out.get(), ref);
+    ndt::cuda::rope_forward<E>(dx.p, dx.p, dpos.p, T, H, D, 10000.f);  // in place
+    expect_close<E>("rope_forward(in place)", dx.get(), ref);
+    dx.upload(x);
+    Dev<E> d(pre);
+    Vec rd = pre;
+    ndt::cuda::rope_backward<E>(d.p, dx.p, dpos.p, T, H, D, 10000.f);
+    ndt::cpu::rope_backward(rd.data(), x.data(), pos.data(), T, H, D, 10000.f);
+    expect_close<E>("rope_backward(+=)", d.get(), rd);
+  }
+}
+
+TYPED_TEST(CudaOps, Embeddings) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  const int64_t vstart = 100, P = 64;
+  // ids in [60, 400): many repeats, some below and above this shard [100, 359)
+  const auto ids = randi(T * 3, 30, 60, 400);
+  const int64_t Tn = T * 3;
+  const Vec table = rounded<E>(randv(V * C, 31)), ptable = rounded<E>(randv(P * C, 32));
+  const Vec g = rounded<E>(randv(Tn * C, 33)), pre = rounded<E>(randv(Tn * C, 34));
+  const Vec pre_t = randv(V * C, 35), pre_p = randv(P * C, 36);
+  DevI did(ids);
+  Dev<E> dtab(table), out(Tn * C), dg(g);
+  Vec ref(Tn * C);
+  ndt::cuda::embedding_forward<E>(out.p, did.p, dtab.p, Tn, V, C, vstart);
+  ndt::cpu::embedding_forward(ref.data(), ids.data(), table.data(), Tn, V, C, vstart);
+  expect_close<E>("embedding_forward", out.get(), ref);
+  Dev<float> dtable(pre_t);
+  Vec rdt = pre_t;
+  ndt::cuda::embedding_backward<E>(dtable.p, dg.p, did.p, Tn, V, C, vstart);
+  ndt::cpu::embedding_backward(rdt.data(), g.data(), ids.data(), Tn, V, C, vstart);
+  expect_close<E>("embedding_backward(+=)", dtable.get(), rdt, 1e-5);
+  // determinism: a second run from the same start gives the same bits
+  const Vec first = dtable.get();
+  dtable.upload(pre_t);
+  ndt::cuda::embedding_backward<E>(dtable.p, dg.p, did.p, Tn, V, C, vstart);
+  EXPECT_EQ(first, dtable.get()) << "embedding_backward is not deterministic";
+
+  const auto pos = randi(Tn, 37, 0, P);
+  DevI dpos(pos);
+  out.upload(pre);
+  Vec rp = pre;
+  Dev<E> dpt(ptable);
+  ndt::cuda::add_position_embedding_forward<E>(out.p, dpos.p, dpt.p, Tn, P, C);
+  ndt::cpu::add_position_embedding_forward(rp.data(), pos.data(), ptable.data(), Tn, P, C);
+  expect_close<E>("add_position_embedding_fwd(+=)", out.get(), rp);
+  Dev<float> dptab(pre_p);
+  Vec rdp = pre_p;
+  ndt::cuda::add_position_embedding_backward<E>(dptab.p, dg.p, dpos.p, Tn, P, C);
+  ndt::cpu::add_position_embedding_backward(rdp.data(), g.data(), pos.data(), Tn, P, C);
+  expect_close<E>("add_position_embedding_bwd(+=)", dptab.get(), rdp, 1e-5);
+}
+
+// One linear problem: forward (bias epilogue / no bias) and backward (accumulating) against OpenBLAS.
+template <typename E>
+void check_linear(const char* label, int64_t t, int64_t ic, int64_t oc, bool offset_bias) {
+  const Vec x = rounded<E>(randv(t * ic, 40)), w = rounded<E>(randv(oc * ic, 41)),
+            b = rounded<E>(randv(oc, 42));
+  const Vec g = rounded<E>(randv(t * oc, 43)), pre = rounded<E>(randv(t * ic, 44));
+  const Vec prew = randv(oc * ic, 45), preb = randv(oc, 46);
+  Dev<E> dx(x), dw(w), out(t * oc), dg(g), db(oc, 1);
+  db.upload(b, offset_bias ? 1 : 0);
+  const E* bias = db.p + (offset_bias ? 1 : 0);
+  Vec ref(t * oc);
+  char name[96];
+  ndt::cuda::linear_forward<E>(out.p, dx.p, dw.p, bias, t, ic, oc);
+  ndt::cpu::linear_forward(ref.data(), x.data(), w.data(), b.data(), t, ic, oc);
+  std::snprintf(name, sizeof(name), "linear_fwd %s", label);
+  expect_close<E>(name, out.get(), ref);
+  out.poison();
+  ndt::cuda::linear_forward<E>(out.p, dx.p, dw.p, nullptr, t, ic, oc);
+  ndt::cpu::linear_forward(ref.data(), x.data(), w.data(), nullptr, t, ic, oc);
+  std::snprintf(name, sizeof(name), "linear_fwd nobias %s", label);
+  expect_close<E>(name, out.get(), ref);
+  Dev<E> dinp(pre);
+  Dev<float> dweight(prew), dbias(preb);
+  Vec rdi = pre, rdw = prew, rdb = preb;
+  ndt::cuda::linear_backward<E>(dinp.p, dweight.p, dbias.p, dg.p, dx.p, dw.p, t, ic, oc);
+  ndt::cpu::linear_backward(rdi.data(), rdw.data(), rdb.data(), g.data(), x.data(), w.data(), t, ic, oc);
+  std::snprintf(name, sizeof(name), "linear_bwd dinp(+=) %s", label);
+  expect_close<E>(name, dinp.get(), rdi);
+  // dweight/dbias are fp32 outputs of exactly rounded bf16 inputs: fp32 tolerance for both types.
+  std::snprintf(name, sizeof(name), "linear_bwd dweight(+=) %s", label);
+  expect_close<E>(name, dweight.get(), rdw, 1e-5);
+  std::snprintf(name, sizeof(name), "linear_bwd dbias(+=) %s", label);
+  expect_close<E>(name, dbias.get(), rdb, 1e-5);
+}
+
+TYPED_TEST(CudaOps, Linear) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  const int64_t fb0 = ndt::cuda::gemm_fallback_count();
+  check_linear<E>("37x96->64", T, C, 64, false);
+  check_linear<E>("37x96->67", T, C, 67, false);     // OC not a multiple of 8
+  check_linear<E>("37x50->40 ub", T, 50, 40, true);  // odd IC, unaligned bias pointer
+  check_linear<E>("300x768->259", 300, 768, 259, false);
+  std::printf("[info] %s gemm fallbacks (cublasGemmEx) in these cases: %lld\n", tname<E>(),
+              static_cast<long long>(ndt::cuda::gemm_fallback_count() - fb0));
+}
+
+TYPED_TEST(CudaOps, CrossEntropy) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  for (int64_t vstart : {int64_t{0}, int64_t{100}}) {
+    const Vec logits = rounded<E>(randv(T * V, 50, 0.1f, 4.f));
+    auto targets = randi(T, 51, 0, static_cast<int32_t>(vstart + V + 40));  // some outside the shard
+    Vec dloss = randv(T, 52);
+    dloss[3] = dloss[17] = 0.f;  // skipped rows
+    DevI dt(targets);
+    Dev<E> dl(logits);
+    Dev<float> rowmax(T), sumexp(T), tl(T), lp(T), ddl(dloss);
+    Vec rm(T), rs(T), rtl(T), rlp(T);
+    ndt::cuda::xent_rowmax<E>(rowmax.p, dl.p, T, V);
+    ndt::cpu::xent_rowmax(rm.data(), logits.data(), T, V);
+    expect_close<E>("xent_rowmax", rowmax.get(), rm, 1e-6);
+    ndt::cuda::xent_sumexp<E>(sumexp.p, dl.p, rowmax.p, T, V);
+    ndt::cpu::xent_sumexp(rs.data(), logits.data(), rm.data(), T, V);
+    expect_close<E>("xent_sumexp", sumexp.get(), rs, 1e-5);
+    rowmax.poison();
+    sumexp.poison();
+    ndt::cuda::xent_rowmax_sumexp<E>(rowmax.p, sumexp.p, dl.p, T, V);
+    expect_close<E>("xent_rowmax_sumexp max", rowmax.get(), rm, 1e-6);
+    expect_close<E>("xent_rowmax_sumexp sum", sumexp.get(), rs, 1e-5);
+    ndt::cuda::xent_target_logit<E>(tl.p, dl.p, dt.p, T, V, vstart);
+    ndt::cpu::xent_target_logit(rtl.data(), logits.data(), targets.data(), T, V, vstart);
+    expect_close<E>("xent_target_logit", tl.get(), rtl, 1e-6);
+    ndt::cuda::xent_logprob(lp.p, tl.p, rowmax.p, sumexp.p, T);
+    ndt::cpu::xent_logprob(rlp.data(), rtl.data(), rm.data(), rs.data(), T);
+    expect_close<E>("xent_logprob", lp.get(), rlp, 1e-5);
+    // backward from the CPU statistics; accumulating, then in place
+    rowmax.upload(rm);
+    sumexp.upload(rs);
+    const Vec pre = rounded<E>(randv(T * V, 53, 0.01f, 0.1f));
+    Dev<E> dlog(pre);
+    Vec rd = pre;
+    ndt::cuda::xent_backward<E>(dlog.p, dl.p, rowmax.p, sumexp.p, dt.p, ddl.p, T, V, vstart);
+    ndt::cpu::xent_backward(rd.data(), logits.data(), rm.data(), rs.data(), targets.data(), dloss.data(), T,
+                            V, vstart);
+    expect_close<E>("xent_backward(+=)", dlog.get(), rd);
+    Vec rz(T * V, 0.f);
+    ndt::cpu::xent_backward(rz.data(), logits.data(), rm.data(), rs.data(), targets.data(), dloss.data(), T,
+                            V, vstart);
+    ndt::cuda::xent_backward_inplace<E>(dl.p, rowmax.p, sumexp.p, dt.p, ddl.p, T, V, vstart);
+    expect_close<E>("xent_backward_inplace", dl.get(), rz);
+  }
+  // TP composition: two vocab shards, fused max/sumexp each, rebased to the global max, summed.
+  const Vec logits = rounded<E>(randv(T * V, 54, 0.1f, 4.f));
+  const int64_t V0 = 130, V1 = V - V0;
+  Vec l0(T * V0), l1(T * V1);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < V; ++j) (j < V0 ? l0[t * V0 + j] : l1[t * V1 + j - V0]) = logits[t * V + j];
+  Dev<E> d0(l0), d1(l1);
+  Dev<float> m0(T), s0(T), m1(T), s1(T), gm(T);
+  ndt::cuda::xent_rowmax_sumexp<E>(m0.p, s0.p, d0.p, T, V0);
+  ndt::cuda::xent_rowmax_sumexp<E>(m1.p, s1.p, d1.p, T, V1);
+  const Vec hm0 = m0.get(), hm1 = m1.get();
+  Vec hg(T);
+  for (int64_t t = 0; t < T; ++t) hg[t] = std::max(hm0[t], hm1[t]);
+  gm.upload(hg);
+  ndt::cuda::xent_rebase_sumexp(s0.p, m0.p, gm.p, T);
+  ndt::cuda::xent_rebase_sumexp(s1.p, m1.p, gm.p, T);
+  Vec rm(T), rs(T);
+  ndt::cpu::xent_rowmax(rm.data(), logits.data(), T, V);
+  ndt::cpu::xent_sumexp(rs.data(), logits.data(), rm.data(), T, V);
+  expect_close<E>("xent_rebase_sumexp (2 shards)", add(s0.get(), s1.get()), rs, 1e-5);
+  // One-rank convenience with a mask
+  auto targets = randi(T, 55, 0, static_cast<int32_t>(V));
+  Vec mask(T, 1.f);
+  mask[5] = mask[20] = 0.f;
+  DevI dt(targets);
+  Dev<float> dmask(mask), losses(T);
+  Dev<E> dl(logits);
+  Vec rl(T);
+  const double total = ndt::cuda::cross_entropy_forward<E>(losses.p, dl.p, dt.p, dmask.p, T, V);
+  const double rtotal =
+      ndt::cpu::cross_entropy_forward(rl.data(), logits.data(), targets.data(), mask.data(), T, V);
+  expect_close<E>("cross_entropy_forward", losses.get(), rl, 1e-5);
+  EXPECT_NEAR(total, rtotal, 1e-5 * std::abs(rtotal));
+}
+
+TEST(CudaOpsOptim, AdamwSumSquaresCast) {
+  NDT_REQUIRE_GPU();
+  const int64_t n = 1000003;  // odd: vector body + tail
+  const Vec p = randv(n, 60), g = randv(n, 61, 0.001f, 0.1f), m = randv(n, 62, 0.001f, 0.01f);
+  Vec v = randv(n, 63, 0.0001f, 0.001f);
+  for (auto& x : v) x = std::abs(x);
+  for (float gs : {1.0f, 0.5f}) {
+    Dev<float> dp(p), dg(g), dm(m), dv(v);
+    Dev<bf16> pb(n);
+    Vec rp = p, rm = m, rv = v, rg = g;
+    for (auto& x : rg) x *= gs;
+    ndt::cuda::adamw_update(dp.p, dg.p, dm.p, dv.p, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3,
+                            gs == 1.0f ? pb.p : nullptr, gs);
+    ndt::cpu::adamw_update(rp.data(), rg.data(), rm.data(), rv.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3);
+    expect_close<float>(gs == 1.0f ? "adamw param" : "adamw param (grad_scale)", dp.get(), rp);
+    expect_close<float>("adamw m", dm.get(), rm);
+    expect_close<float>("adamw v", dv.get(), rv);
+    if (gs == 1.0f) expect_close<bf16>("adamw param_bf16", pb.get(), rounded<bf16>(rp), 1e-4);
+  }
+  // sum of squares (double; deterministic), device result with accumulate
+  Dev<float> dx(p);
+  const double ref = ndt::cpu::sum_squares(p.data(), n);
+  const double got = ndt::cuda::sum_squares(dx.p, n);
+  std::printf("[err] %-28s %-4s %.3e (tol 1e-12)\n", "sum_squares", "f64", std::abs(got - ref) / ref);
+  EXPECT_NEAR(got, ref, 1e-12 * ref);
+  Dev<double> acc(1);
+  ndt::cuda::sum_squares_device(acc.p, dx.p, n);
+  ndt::cuda::sum_squares_device(acc.p, dx.p + 1, n - 1, true);  // unaligned pointer, accumulated
+  double h = 0;
+  NDT_CUDA_CHECK(cudaMemcpy(&h, acc.p, sizeof(double), cudaMemcpyDeviceToHost));
+  const double ref2 = ref + ndt::cpu::sum_squares(p.data() + 1, n - 1);
+  EXPECT_NEAR(h, ref2, 1e-12 * ref2);
+  // casts
+  Dev<bf16> b(n);
+  ndt::cuda::cast(b.p, dx.p, n);
+  expect_close<bf16>("cast f32->bf16", b.get(), rounded<bf16>(p), 1e-7);
+  Dev<float> f(n);
+  ndt::cuda::cast(f.p, b.p, n);
+  expect_close<float>("cast bf16->f32", f.get(), rounded<bf16>(p), 1e-7);
+}
+
+// ---- timings (device runs only: --gtest_also_run_disabled_tests --gtest_filter='CudaKernelBench*') ----
+template <typename F>
+double time_ms(F&& f, int iters = 20) {
+  for (int i = 0; i < 3; ++i) f();
+  cudaEvent_t a, b;
+  NDT_CUDA_CHECK(cudaEventCreate(&a));
+  NDT_CUDA_CHECK(cudaEventCreate(&b));
+  NDT_CUDA_CHECK(cudaEventRecord(a));
+  for (int i = 0; i < iters; ++i) f();
+  NDT_CUDA_CHECK(cudaEventRecord(b));
+  NDT_CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  NDT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms / iters;
+}
+
+TEST(CudaKernelBench, DISABLED_Timings) {
+  NDT_REQUIRE_GPU();
+  std::printf("device: %s\n", ndt::cuda::device_name(0).c_str());
+  const int64_t t = 16384, ic = 768, oc = 3072;
+  Dev<bf16> x(randv(t * ic, 1)), w(randv(oc * ic, 2)), bias(randv(oc, 3)), out(t * oc), g(randv(t * oc, 4));
+  Dev<bf16> dx(t * ic);
+  Dev<float> dw(oc * ic), db(oc);
+  const double flop = 2.0 * t * ic * oc;
+  double ms = time_ms([&] { ndt::cuda::linear_forward<bf16>(out.p, x.p, w.p, bias.p, t, ic, oc); });
+  std::printf("[time] linear_fwd bf16 +bias  T=%lld IC=%lld OC=%lld: %.3f ms, %.1f TFLOP/s\n", (long long)t,
+              (long long)ic, (long long)oc, ms, flop / ms * 1e-9);
+  ms = time_ms([&] { ndt::cuda::linear_forward<bf16>(out.p, x.p, w.p, nullptr, t, ic, oc); });
+  std::printf("[time] linear_fwd bf16 nobias: %.3f ms, %.1f TFLOP/s\n", ms, flop / ms * 1e-9);
+  ms = time_ms([&] { ndt::cuda::linear_backward<bf16>(dx.p, nullptr, nullptr, g.p, x.p, w.p, t, ic, oc); });
+  std::printf("[time] linear_bwd dinp bf16: %.3f ms, %.1f TFLOP/s\n", ms, flop / ms * 1e-9);
+  ms = time_ms([&] { ndt::cuda::linear_backward<bf16>(nullptr, dw.p, nullptr, g.p, x.p, w.p, t, ic, oc); });
+  std::printf("[time] linear_bwd dweight bf16->f32: %.3f ms, %.1f TFLOP/s\n", ms, flop / ms * 1e-9);
+  ms = time_ms([&] { ndt::cuda::bias_backward<bf16>(db.p, g.p, t, oc); });
+  std::printf("[time] bias_backward bf16 (T=%lld, OC=%lld): %.3f ms, %.0f GB/s\n", (long long)t,
+              (long long)oc, ms, 2.0 * t * oc / ms * 1e-6);
+  {  // norms and activations at GPT-2 small sizes
+    Dev<bf16> h(randv(t * ic, 5)), hw(randv(ic, 6)), hb(randv(ic, 7)), ho(t * ic);
+    Dev<float> mean(t), rstd(t);
+    ms = time_ms(
+        [&] { ndt::cuda::layernorm_forward<bf16>(ho.p, mean.p, rstd.p, h.p, hw.p, hb.p, t, ic, 1e-5f); });
+    std::printf("[time] layernorm_fwd bf16 (%lldx%lld): %.3f ms, %.0f GB/s\n", (long long)t, (long long)ic,
+                ms, 4.0 * t * ic / ms * 1e-6);
+    ms = time_ms([&] {
+      ndt::cuda::layernorm_backward<bf16>(ho.p, dw.p, db.p, h.p, h.p, hw.p, mean.p, rstd.p, t, ic);
+    });
+    std::printf("[time] layernorm_bwd bf16: %.3f ms\n", ms);
+    ms = time_ms([&] { ndt::cuda::gelu_forward<bf16>(out.p, g.p, t * oc); });
+    std::printf("[time] gelu_fwd bf16 (%lld): %.3f ms, %.0f GB/s\n", (long long)(t * oc), ms,
+                4.0 * t * oc / ms * 1e-6);
+  }
+  {  // cross-entropy at GPT-2 vocab
+    const int64_t v = 50257, tt = 8192;
+    Dev<bf16> logits(randv(tt * v, 8));
+    Dev<float> m(tt), s(tt), dl(randv(tt, 9));
+    DevI tg(randi(tt, 10, 0, static_cast<int32_t>(v)));
+    ms = time_ms([&] { ndt::cuda::xent_rowmax_sumexp<bf16>(m.p, s.p, logits.p, tt, v); });
+    std::printf("[time] xent_rowmax_sumexp bf16 (%lldx%lld): %.3f ms, %.0f GB/s\n", (long long)tt,
+                (long long)v, ms, 2.0 * tt * v / ms * 1e-6);
+    ms = time_ms([&] { ndt::cuda::xent_backward_inplace<bf16>(logits.p, m.p, s.p, tg.p, dl.p, tt, v, 0); });
+    std::printf("[time] xent_backward_inplace bf16: %.3f ms, %.0f GB/s\n", ms, 4.0 * tt * v / ms * 1e-6);
+  }
+  {  // embedding backward, GPT-2 sizes
+    const int64_t v = 50257;
+    Dev<float> dtab(v * ic);
+    DevI ids(randi(t, 11, 0, static_cast<int32_t>(v)));
+    ms = time_ms([&] { ndt::cuda::embedding_backward<bf16>(dtab.p, x.p, ids.p, t, v, ic, 0); });
+    std::printf("[time] embedding_backward bf16 (T=%lld, C=%lld): %.3f ms\n", (long long)t, (long long)ic,
+                ms);
+  }
+  {  // AdamW over GPT-2 124M parameters
+    const int64_t n = 124439808;
+    Dev<float> p(n), gr(n), m(n), v(n);
+    Dev<bf16> pb(n);
+    for (float* q : {p.p, gr.p, m.p, v.p}) NDT_CUDA_CHECK(cudaMemset(q, 0, sizeof(float) * n));
+    ms = time_ms(
+        [&] { ndt::cuda::adamw_update(p.p, gr.p, m.p, v.p, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1, pb.p); });
+    std::printf("[time] adamw 124M (+bf16 copy): %.3f ms, %.0f GB/s\n", ms, 30.0 * n / ms * 1e-6);
+    ms =
+        time_ms([&] { ndt::cuda::adamw_update(p.p, gr.p, m.p, v.p, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1); });
+    std::printf("[time] adamw 124M (fp32 only):  %.3f ms, %.0f GB/s\n", ms, 28.0 * n / ms * 1e-6);
+    ms = time_ms([&] { ndt::cuda::sum_squares(gr.p, n); });
+    std::printf("[time] sum_squares 124M (host result): %.3f ms, %.0f GB/s\n", ms, 4.0 * n / ms * 1e-6);
+  }
+}
+
+}  // namespace
