@@ -1,0 +1,84 @@
+#pragma once
+// NCCL backend of Communicator: collectives and point-to-point on DEVICE buffers (F32, BF16, I32, I64,
+// F64; bf16 is reduced natively by NCCL), bootstrapped over an MPI communicator (rank 0 makes the
+// ncclUniqueId, MPI broadcasts it, every rank calls ncclCommInitRank on its device).
+//
+// Stream contract
+// - The communicator owns one CUDA stream, stream(); every NCCL call is enqueued there.
+// - The caller's work runs on the compute stream (default: cuda::stream() of cuda/runtime.h, where
+//   the engine's kernels run; change it with set_compute_stream()). Each call first records an event on the
+//   compute stream and makes the communicator's stream wait for it, so a collective sees everything the
+//   caller enqueued before it (no host synchronization needed before the call).
+// - Blocking calls (the whole Communicator interface) return after the operation has completed on
+//   the device (host synchronization on the communicator's stream): the buffer may be read, written
+//   or freed right away, from any stream or the host.
+// - Non-blocking calls (all_reduce_async, reduce_scatter_async) return a CommHandle at once. Until
+//   the handle's wait() (the compute stream waits for completion, the host does not block) or
+//   synchronize() (the host blocks), the buffers must not be touched. Their use: DP gradient
+//   reduction of finished buckets while backward continues on the compute stream. A handle destroyed
+//   without either waits like wait().
+//
+// Host buffers: a call whose buffers are host memory (pageable or pinned) goes over the MPI
+// communicator of the same ranks instead (scalars like token counts, loss sums, agree() of statuses),
+// so the NCCL communicator is a drop-in for the MPI one. The choice is made per call from the
+// pointers: every rank must pass the same kind of memory. agree() thus still goes over MPI.
+//
+// Point-to-point: NCCL has no tags (the tag argument is ignored); messages between two ranks match in
+// the order they are posted. A blocking send() waits for the receiver (NCCL does not buffer), so
+// exchanges where both sides send go through batch_p2p(), which posts everything in one NCCL group.
+//
+// The device: the constructor makes `device` current on the calling thread; every later call expects
+// it still to be current (one rank per GPU, as the trainer runs).
+#ifdef NDT_HAVE_NCCL
+
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "dist/communicator.h"
+
+namespace ndt {
+
+// A non-blocking collective in flight (see the stream contract above).
+class CommHandle {
+ public:
+  virtual ~CommHandle() = default;
+  // The compute stream (as set when the operation was started) waits for completion; the host
+  // does not block. Idempotent.
+  virtual void wait() = 0;
+  // The host blocks until the operation has completed. Idempotent.
+  virtual void synchronize() = 0;
+  // True once the operation has completed on the device (does not block).
+  virtual bool done() = 0;
+};
+
+class NcclCommunicator : public Communicator {
+ public:
+  virtual int device() const = 0;
+  // The communicator's own stream (collectives and P2P run here).
+  virtual cudaStream_t stream() const = 0;
+  // The stream the caller's kernels run on; calls are ordered after work enqueued on it.
+  virtual cudaStream_t compute_stream() const = 0;
+  virtual void set_compute_stream(cudaStream_t s) = 0;
+  // The MPI communicator over the same ranks (host buffers, agree()).
+  virtual Communicator& host() = 0;
+
+  // Non-blocking in-place all-reduce / reduce-scatter of device buffers.
+  virtual std::unique_ptr<CommHandle> all_reduce_async(void* buf, int64_t count, DType dt, ReduceOp op) = 0;
+  virtual std::unique_ptr<CommHandle> reduce_scatter_async(const void* send, void* recv, int64_t count,
+                                                           DType dt, ReduceOp op) = 0;
+};
+
+// Collective over `mpi_group` (which must be an MPI-backed communicator: it carries the bootstrap and
+// the host-buffer calls; the new communicator keeps its own duplicate of it). `device` is this rank's
+// CUDA device, typically local_rank % device_count. Subgroups and splits of the result are NCCL
+// communicators too (ncclCommSplit, on the same device).
+std::unique_ptr<Communicator> make_nccl_communicator(Communicator& mpi_group, int device);
+
+// The NCCL view of a communicator made by make_nccl_communicator (or one of its subgroups); nullptr
+// for other backends.
+NcclCommunicator* as_nccl(Communicator* c);
+
+}  // namespace ndt
+
+#endif  // NDT_HAVE_NCCL
