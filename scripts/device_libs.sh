@@ -9,6 +9,8 @@ for bin in "$@"; do
   ldd "$bin" | awk '/=> \//{print $3}' | while read -r lib; do
     case "$(basename "$lib")" in
       libc.so*|libm.so*|libstdc++*|libgcc_s*|libpthread*|libdl.so*|librt.so*|ld-linux*|libcuda.so*|libcudart*|libcublas*|libnccl*|libcudnn*) ;;
+      # The GPU machine has its own OpenMPI 4.1.4 (mpirun, orted, plugins): Debian's copies would mix builds.
+      libmpi*|libopen-pal*|libopen-rte*|libevent*|libhwloc*) ;;
       *) cp -Lu "$lib" "$out/" ;;
     esac
   done

@@ -50,9 +50,10 @@ Runner add_verify(CLI::App& app) {
                   "one straight single-process run from step 0");
   cmd->add_option("--tol-logprob", o->tol_logprob,
                   "Max absolute difference of per-token logprobs and top-k logits after the compared steps");
-  cmd->add_flag("--reference-unpacked", o->reference_unpacked,
-                 "Run the reference without packing (each sample padded to seq_len); default: the same packing, "
-                 "with the layout's microbatch grouping");
+  cmd->add_flag(
+      "--reference-unpacked", o->reference_unpacked,
+      "Run the reference without packing (each sample padded to seq_len); default: the same packing, "
+      "with the layout's microbatch grouping");
   return [o](Communicator& world) {
     RunSetup s = load_run(world, o->config, o->sets);
     int64_t first = 0;  // the step the compared layout starts at
@@ -85,7 +86,9 @@ Runner add_verify(CLI::App& app) {
       if (i >= first) par.train_step(i);
     }
     RunComms pc = layout.value()->comms();
-    auto par_w = gather_full_params(par.params(), *pc.tp);
+    std::vector<std::pair<std::string, Tensor>> par_w;  // host copies (the runs may live on GPUs)
+    par.params().with_host_values([&] { par_w = gather_full_params(par.params(), *pc.tp); },
+                                  /*write_back=*/false);
 
     bool ok = true;
     const bool logger = world.rank() == 0;
@@ -111,17 +114,21 @@ Runner add_verify(CLI::App& app) {
     double worst = 0;
     std::string worst_name;
     int64_t covered = 0;  // parameters checked here, each counted once over pipeline stages
-    for (const auto& [name, w] : par_w) {
-      covered += par.params().get(name).count_in_norm;
-      const Param* rp = ref.params().find(name);
-      NDT_CHECK(rp != nullptr && rp->value.numel() == w.numel(),
-                "layout has parameter {} that the reference lacks", name);
-      const double d = weight_rel_diff(w, rp->value);
-      if (d >= worst) {
-        worst = d;
-        worst_name = name;
-      }
-    }
+    ref.params().with_host_values(
+        [&] {
+          for (const auto& [name, w] : par_w) {
+            covered += par.params().get(name).count_in_norm;
+            const Param* rp = ref.params().find(name);
+            NDT_CHECK(rp != nullptr && rp->value.numel() == w.numel(),
+                      "layout has parameter {} that the reference lacks", name);
+            const double d = weight_rel_diff(w, rp->value);
+            if (d >= worst) {
+              worst = d;
+              worst_name = name;
+            }
+          }
+        },
+        /*write_back=*/false);
     pc.pp->all_reduce(&covered, 1, DType::I64, ReduceOp::Sum);
     const double local_worst = worst;
     world.all_reduce(&worst, 1, DType::F64, ReduceOp::Max);
@@ -138,7 +145,8 @@ Runner add_verify(CLI::App& app) {
     {
       std::vector<Sample> samples;
       for (int64_t j = 0; j < s.cfg.train.global_batch; ++j)
-        samples.push_back(s.train->get(sample_index(s.cfg.data.seed, 0, j, s.cfg.train.global_batch, s.train->size())));
+        samples.push_back(
+            s.train->get(sample_index(s.cfg.data.seed, 0, j, s.cfg.train.global_batch, s.train->size())));
       constexpr int64_t kTop = 4;
       const auto a = ref.score(samples, kTop), b = par.score(samples, kTop);
       double lp_diff = 0, top_diff = 0;
@@ -147,20 +155,23 @@ Runner add_verify(CLI::App& app) {
         for (size_t t = 0; t < a[i].logprob.size(); ++t)
           lp_diff = std::max(lp_diff, static_cast<double>(std::abs(a[i].logprob[t] - b[i].logprob[t])));
         for (size_t j = 0; j < a[i].topk_value.size(); ++j) {
-          top_diff = std::max(top_diff, static_cast<double>(std::abs(a[i].topk_value[j] - b[i].topk_value[j])));
+          top_diff =
+              std::max(top_diff, static_cast<double>(std::abs(a[i].topk_value[j] - b[i].topk_value[j])));
           // An id may differ only where the reference has a near-tie with its neighbour.
-          const bool tie = (j % kTop > 0 && a[i].topk_value[j - 1] - a[i].topk_value[j] < o->tol_logprob) ||
-                           (j % kTop + 1 < kTop && a[i].topk_value[j] - a[i].topk_value[j + 1] < o->tol_logprob);
+          const bool tie =
+              (j % kTop > 0 && a[i].topk_value[j - 1] - a[i].topk_value[j] < o->tol_logprob) ||
+              (j % kTop + 1 < kTop && a[i].topk_value[j] - a[i].topk_value[j + 1] < o->tol_logprob);
           id_mismatch += a[i].topk_id[j] != b[i].topk_id[j] && !tie;
         }
       }
       const bool lp_ok = lp_diff <= o->tol_logprob && top_diff <= o->tol_logprob && id_mismatch == 0;
       ok = ok && lp_ok;
       if (logger)
-        std::printf("scores of %zu samples: max |logprob - ref| = %.2e, max |top-%lld logit - ref| = %.2e, "
-                    "%lld top-k ids differ, tolerance %.1e%s\n",
-                    samples.size(), lp_diff, static_cast<long long>(kTop), top_diff, static_cast<long long>(id_mismatch),
-                    o->tol_logprob, lp_ok ? "" : "  <-- FAIL");
+        std::printf(
+            "scores of %zu samples: max |logprob - ref| = %.2e, max |top-%lld logit - ref| = %.2e, "
+            "%lld top-k ids differ, tolerance %.1e%s\n",
+            samples.size(), lp_diff, static_cast<long long>(kTop), top_diff,
+            static_cast<long long>(id_mismatch), o->tol_logprob, lp_ok ? "" : "  <-- FAIL");
     }
     // Every rank checked its own copy; the layout passes only if all of them did.
     int32_t all_ok = ok;

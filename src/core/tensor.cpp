@@ -2,6 +2,10 @@
 
 #include <cstdlib>
 
+#ifdef NDT_HAVE_CUDA
+#include "cuda/runtime.h"
+#endif
+
 namespace ndt {
 
 size_t dtype_size(DType dt) {
@@ -60,12 +64,22 @@ int64_t Tensor::size(int64_t d) const {
 }
 
 Tensor Tensor::empty(Shape shape, DType dt, Device dev) {
-  NDT_CHECK(dev == Device::CPU, "CUDA tensors need the GPU backend (not built into this binary)");
   Tensor t;
   t.numel_ = shape_numel(shape);
   t.shape_ = std::move(shape);
   t.dtype_ = dt;
   t.device_ = dev;
+  if (dev == Device::CUDA) {
+#ifdef NDT_HAVE_CUDA
+    // 256-byte granules keep every tensor aligned for vector loads and tensor-core matmuls.
+    const size_t bytes = (std::max<size_t>(t.nbytes(), 1) + 255) / 256 * 256;
+    void* p = cuda::device_alloc(bytes);
+    t.storage_ = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { cuda::device_free(q); });
+    return t;
+#else
+    NDT_FAIL("CUDA tensors need the GPU backend (not built into this binary)");
+#endif
+  }
   // 64-byte alignment for SIMD; at least one byte so that defined() holds for empty tensors.
   size_t bytes = (std::max<size_t>(t.nbytes(), 1) + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, bytes);
@@ -107,18 +121,44 @@ Tensor Tensor::view_at(int64_t offset, Shape shape) const {
 
 Tensor Tensor::clone() const {
   Tensor t = empty(shape_, dtype_, device_);
-  if (numel_) std::memcpy(t.data_ptr(), data_ptr(), nbytes());
+  t.copy_from(*this);
   return t;
 }
 
 void Tensor::zero_() {
-  if (numel_) std::memset(data_ptr(), 0, nbytes());
+  if (!numel_) return;
+  if (device_ == Device::CPU) {
+    std::memset(data_ptr(), 0, nbytes());
+    return;
+  }
+#ifdef NDT_HAVE_CUDA
+  cuda::memset_zero(data_ptr(), nbytes());
+#endif
 }
 
 void Tensor::copy_from(const Tensor& src) {
   NDT_CHECK(src.numel_ == numel_ && src.dtype_ == dtype_, "copy_from: {} {} into {} {}",
             shape_str(src.shape_), dtype_name(src.dtype_), shape_str(shape_), dtype_name(dtype_));
-  if (numel_) std::memcpy(data_ptr(), src.data_ptr(), nbytes());
+  if (!numel_) return;
+  if (device_ == Device::CPU && src.device_ == Device::CPU) {
+    std::memcpy(data_ptr(), src.data_ptr(), nbytes());
+    return;
+  }
+#ifdef NDT_HAVE_CUDA
+  if (device_ == Device::CUDA && src.device_ == Device::CUDA)
+    cuda::copy_d2d(data_ptr(), src.data_ptr(), nbytes());
+  else if (device_ == Device::CUDA)
+    cuda::copy_h2d(data_ptr(), src.data_ptr(), nbytes());
+  else
+    cuda::copy_d2h(data_ptr(), src.data_ptr(), nbytes());
+#endif
+}
+
+Tensor Tensor::to(Device dev) const {
+  if (dev == device_) return *this;
+  Tensor t = empty(shape_, dtype_, dev);
+  t.copy_from(*this);
+  return t;
 }
 
 }  // namespace ndt

@@ -1,8 +1,10 @@
 #pragma once
 // Tensor: a contiguous n-d array with a dtype and a device.
 // Ownership: storage is shared (copying a Tensor aliases the same memory; use clone() for a deep copy).
-// Only CPU storage exists today; Device::CUDA is the slot the GPU backend fills (allocation and
-// copies dispatch on device, so callers do not change when it arrives).
+// Device::CUDA storage (builds with NDT_HAVE_CUDA) comes from the stream-ordered pool of cuda/runtime.h:
+// allocation, zeroing, clone and device copies are asynchronous on the compute stream; copies to the host
+// (to(Device::CPU), to_vector, copy_from into a CPU tensor) wait for it. data_ptr() of a CUDA tensor is a
+// device pointer: pass it to kernels, never dereference it on the host.
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -98,9 +100,12 @@ class Tensor {
   Tensor view_at(int64_t offset, Shape shape) const;
   Tensor clone() const;
   void zero_();
-  void copy_from(const Tensor& src);  // same numel and dtype
+  void copy_from(const Tensor& src);  // same numel and dtype; any devices
+  // This tensor on `dev`: itself (shared storage) when already there, else a copy.
+  Tensor to(Device dev) const;
   template <typename T>
   std::vector<T> to_vector() const {
+    if (device_ != Device::CPU) return to(Device::CPU).to_vector<T>();
     std::vector<T> v(static_cast<size_t>(numel_));
     if (numel_) std::memcpy(v.data(), data<T>(), v.size() * sizeof(T));
     return v;

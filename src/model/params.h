@@ -2,6 +2,7 @@
 // Parameters with stable global names and explicit placement (DESIGN.md §1.3): each local tensor knows
 // the global tensor it is a slice of. Initialization is a pure function of (seed, global name, global
 // element index), so every layout starts from identical weights with no communication.
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,10 +27,14 @@ struct Param {
   bool count_in_norm = true;
   InitKind init = InitKind::Normal;
   float init_std = 0.02f;
-  Tensor value;  // local slice
-  Tensor grad;   // same shape as value; accumulated by backward (+=)
+  Tensor value;  // local slice (fp32 master weights)
+  Tensor grad;   // same shape as value, fp32; accumulated by backward (+=)
+  // Mixed precision: the bf16 copy of value that kernels read (a view into the store's compute buffer,
+  // refreshed by the optimizer). Undefined when the compute dtype is fp32: kernels read value itself.
+  Tensor compute;
 
   int64_t numel() const { return value.numel(); }
+  const Tensor& compute_value() const { return compute.defined() ? compute : value; }
   // Global flat index of local element i.
   int64_t global_index(int64_t i) const;
 };
@@ -55,12 +60,30 @@ class ParamStore {
   void flatten(int64_t align = 1);
   Tensor& flat_values() { return flat_values_; }
   Tensor& flat_grads() { return flat_grads_; }
+  // The bf16 compute copy of flat_values (undefined when compute_dtype() is F32).
+  Tensor& flat_compute() { return flat_compute_; }
   int64_t offset_of(const Param& p) const;
+
+  // Where the parameters live and the dtype kernels compute in (activations and weight copies). Values,
+  // grads (and the optimizer state) stay fp32. Moves the flattened store's buffers to `dev` (values are
+  // copied, grads zeroed) and, for compute = BF16, creates the compute copy. Initialize (init / load) on
+  // the CPU first: initialization is layout- and device-independent. Moving back to the CPU gives fp32.
+  void to_device(Device dev, DType compute);
+  Device device() const { return device_; }
+  DType compute_dtype() const { return compute_dtype_; }
+  // Re-derives the compute copy from the values (after they were written other than by the optimizer).
+  void refresh_compute();
+  // Runs fn with every Param::value a host f32 tensor: itself on the CPU; on CUDA views of one host copy
+  // of the flat values (checkpoints, weight import/export read and write values on the host). With
+  // write_back the host values are copied to the device afterwards (and the compute copy refreshed).
+  void with_host_values(const std::function<void()>& fn, bool write_back);
 
  private:
   std::vector<std::unique_ptr<Param>> params_;
   std::vector<int64_t> offsets_;
-  Tensor flat_values_, flat_grads_;
+  Tensor flat_values_, flat_grads_, flat_compute_;
+  Device device_ = Device::CPU;
+  DType compute_dtype_ = DType::F32;
 };
 
 // Global flat index of element i of a slice with `local` shape taken at `offset` along shard_dim.

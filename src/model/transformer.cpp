@@ -73,20 +73,21 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, P
 
 const Tensor* Transformer::bias(const std::string& name) {
   Param* b = ps_->find(name);
-  return b ? &b->value : nullptr;
+  return b ? &b->compute_value() : nullptr;
 }
 
 void Transformer::norm_forward(const std::string& prefix, const Tensor& x, Tensor& out, Tensor& mean,
                                Tensor& rstd) {
   const int64_t rows = x.size(0);
-  out = Tensor::empty(x.shape());
-  rstd = Tensor::empty({rows});
+  out = act(x.shape());
+  rstd = stat({rows});
   const float eps = static_cast<float>(cfg_.norm_eps);
   if (cfg_.is_gpt2()) {
-    mean = Tensor::empty({rows});
-    ops::layernorm_forward(out, mean, rstd, x, p(prefix + ".weight").value, p(prefix + ".bias").value, eps);
+    mean = stat({rows});
+    ops::layernorm_forward(out, mean, rstd, x, p(prefix + ".weight").compute_value(),
+                           p(prefix + ".bias").compute_value(), eps);
   } else {
-    ops::rmsnorm_forward(out, rstd, x, p(prefix + ".weight").value, eps);
+    ops::rmsnorm_forward(out, rstd, x, p(prefix + ".weight").compute_value(), eps);
   }
 }
 
@@ -94,9 +95,9 @@ void Transformer::norm_backward(const std::string& prefix, Tensor& dx, const Ten
                                 const Tensor& mean, const Tensor& rstd) {
   Param& w = p(prefix + ".weight");
   if (cfg_.is_gpt2()) {
-    ops::layernorm_backward(dx, w.grad, p(prefix + ".bias").grad, dout, x, w.value, mean, rstd);
+    ops::layernorm_backward(dx, w.grad, p(prefix + ".bias").grad, dout, x, w.compute_value(), mean, rstd);
   } else {
-    ops::rmsnorm_backward(dx, w.grad, dout, x, w.value, rstd);
+    ops::rmsnorm_backward(dx, w.grad, dout, x, w.compute_value(), rstd);
   }
 }
 
@@ -108,25 +109,26 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   norm_forward(pre + "attn_norm", x, a.n1, a.n1_mean, a.n1_rstd);
   a.a_in = tp_->enter_forward(a.n1);
   const int64_t T = a.a_in.size(0);
-  a.q = Tensor::empty({T, heads_local_, D});
-  a.k = Tensor::empty({T, kv_local_, D});
-  a.v = Tensor::empty({T, kv_local_, D});
-  ops::linear_forward(a.q, a.a_in, p(pre + "attn.wq.weight").value, bias(pre + "attn.wq.bias"));
-  ops::linear_forward(a.k, a.a_in, p(pre + "attn.wk.weight").value, bias(pre + "attn.wk.bias"));
-  ops::linear_forward(a.v, a.a_in, p(pre + "attn.wv.weight").value, bias(pre + "attn.wv.bias"));
+  a.q = act({T, heads_local_, D});
+  a.k = act({T, kv_local_, D});
+  a.v = act({T, kv_local_, D});
+  ops::linear_forward(a.q, a.a_in, p(pre + "attn.wq.weight").compute_value(), bias(pre + "attn.wq.bias"));
+  ops::linear_forward(a.k, a.a_in, p(pre + "attn.wk.weight").compute_value(), bias(pre + "attn.wk.bias"));
+  ops::linear_forward(a.v, a.a_in, p(pre + "attn.wv.weight").compute_value(), bias(pre + "attn.wv.bias"));
   if (!cfg_.is_gpt2()) {
     ops::rope_forward(a.q, mb.positions, theta);
     ops::rope_forward(a.k, mb.positions, theta);
   }
-  a.att = Tensor::empty({T, heads_local_, D});
-  a.lse = Tensor::empty({T, heads_local_});
+  a.att = act({T, heads_local_, D});
+  a.lse = stat({T, heads_local_});
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   if (cp_)
     cp_->attention_forward(mb, a.q, a.k, a.v, a.att, a.lse, scale);
   else
     ops::attention_forward(a.att, a.lse, a.q, a.k, a.v, mb.cu_seqlens, scale);
-  Tensor o_partial = Tensor::empty({T, C});
-  ops::linear_forward(o_partial, a.att.view({T, heads_local_ * D}), p(pre + "attn.wo.weight").value, nullptr);
+  Tensor o_partial = act({T, C});
+  ops::linear_forward(o_partial, a.att.view({T, heads_local_ * D}), p(pre + "attn.wo.weight").compute_value(),
+                      nullptr);
   Tensor o = tp_->exit_forward(o_partial);
   if (const Tensor* b = bias(pre + "attn.wo.bias")) ops::add_bias(o, *b);
   a.h = x.clone();
@@ -134,19 +136,19 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
 
   norm_forward(pre + "mlp_norm", a.h, a.n2, a.n2_mean, a.n2_rstd);
   a.m_in = tp_->enter_forward(a.n2);
-  a.fc1 = Tensor::empty({T, ffn_local_});
-  a.act = Tensor::empty({T, ffn_local_});
-  Tensor m_partial = Tensor::empty({T, C});
+  a.fc1 = act({T, ffn_local_});
+  a.act = act({T, ffn_local_});
+  Tensor m_partial = act({T, C});
   if (cfg_.is_gpt2()) {
-    ops::linear_forward(a.fc1, a.m_in, p(pre + "mlp.fc.weight").value, bias(pre + "mlp.fc.bias"));
+    ops::linear_forward(a.fc1, a.m_in, p(pre + "mlp.fc.weight").compute_value(), bias(pre + "mlp.fc.bias"));
     ops::gelu_forward(a.act, a.fc1);
-    ops::linear_forward(m_partial, a.act, p(pre + "mlp.proj.weight").value, nullptr);
+    ops::linear_forward(m_partial, a.act, p(pre + "mlp.proj.weight").compute_value(), nullptr);
   } else {
-    a.fc3 = Tensor::empty({T, ffn_local_});
-    ops::linear_forward(a.fc1, a.m_in, p(pre + "mlp.w1.weight").value, nullptr);
-    ops::linear_forward(a.fc3, a.m_in, p(pre + "mlp.w3.weight").value, nullptr);
+    a.fc3 = act({T, ffn_local_});
+    ops::linear_forward(a.fc1, a.m_in, p(pre + "mlp.w1.weight").compute_value(), nullptr);
+    ops::linear_forward(a.fc3, a.m_in, p(pre + "mlp.w3.weight").compute_value(), nullptr);
     ops::swiglu_forward(a.act, a.fc1, a.fc3);
-    ops::linear_forward(m_partial, a.act, p(pre + "mlp.w2.weight").value, nullptr);
+    ops::linear_forward(m_partial, a.act, p(pre + "mlp.w2.weight").compute_value(), nullptr);
   }
   Tensor m = tp_->exit_forward(m_partial);
   if (const Tensor* b = bias(pre + "mlp.proj.bias")) ops::add_bias(m, *b);
@@ -163,24 +165,24 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
   Tensor dh = dout.clone();
   if (Param* b = ps_->find(pre + "mlp.proj.bias")) ops::bias_backward(b->grad, dout);
   Tensor dm = tp_->exit_backward(dout);  // (T, C)
-  Tensor dact = Tensor::zeros({T, ffn_local_});
-  Tensor dm_in = Tensor::zeros({T, C});
-  Tensor dfc1 = Tensor::zeros({T, ffn_local_});
+  Tensor dact = act_zeros({T, ffn_local_});
+  Tensor dm_in = act_zeros({T, C});
+  Tensor dfc1 = act_zeros({T, ffn_local_});
   if (cfg_.is_gpt2()) {
     Param& w2 = p(pre + "mlp.proj.weight");
-    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.value);
+    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value());
     ops::gelu_backward(dfc1, dact, a.fc1);
     Param& w1 = p(pre + "mlp.fc.weight");
-    ops::linear_backward(&dm_in, w1.grad, &p(pre + "mlp.fc.bias").grad, dfc1, a.m_in, w1.value);
+    ops::linear_backward(&dm_in, w1.grad, &p(pre + "mlp.fc.bias").grad, dfc1, a.m_in, w1.compute_value());
   } else {
     Param& w2 = p(pre + "mlp.w2.weight");
-    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.value);
-    Tensor dfc3 = Tensor::zeros({T, ffn_local_});
+    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value());
+    Tensor dfc3 = act_zeros({T, ffn_local_});
     ops::swiglu_backward(dfc1, dfc3, dact, a.fc1, a.fc3);
     Param& w1 = p(pre + "mlp.w1.weight");
     Param& w3 = p(pre + "mlp.w3.weight");
-    ops::linear_backward(&dm_in, w1.grad, nullptr, dfc1, a.m_in, w1.value);
-    ops::linear_backward(&dm_in, w3.grad, nullptr, dfc3, a.m_in, w3.value);
+    ops::linear_backward(&dm_in, w1.grad, nullptr, dfc1, a.m_in, w1.compute_value());
+    ops::linear_backward(&dm_in, w3.grad, nullptr, dfc3, a.m_in, w3.compute_value());
   }
   Tensor dn2 = tp_->enter_backward(dm_in);
   norm_backward(pre + "mlp_norm", dh, dn2, a.h, a.n2_mean, a.n2_rstd);
@@ -189,11 +191,12 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
   Tensor dx = dh.clone();
   if (Param* b = ps_->find(pre + "attn.wo.bias")) ops::bias_backward(b->grad, dh);
   Tensor do_full = tp_->exit_backward(dh);
-  Tensor datt = Tensor::zeros({T, heads_local_, D});
+  Tensor datt = act_zeros({T, heads_local_, D});
   Param& wo = p(pre + "attn.wo.weight");
   Tensor datt2d = datt.view({T, heads_local_ * D});
-  ops::linear_backward(&datt2d, wo.grad, nullptr, do_full, a.att.view({T, heads_local_ * D}), wo.value);
-  Tensor dq = Tensor::zeros(a.q.shape()), dk = Tensor::zeros(a.k.shape()), dv = Tensor::zeros(a.v.shape());
+  ops::linear_backward(&datt2d, wo.grad, nullptr, do_full, a.att.view({T, heads_local_ * D}),
+                       wo.compute_value());
+  Tensor dq = act_zeros(a.q.shape()), dk = act_zeros(a.k.shape()), dv = act_zeros(a.v.shape());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   if (cp_)
     cp_->attention_backward(mb, datt, a.q, a.k, a.v, a.att, a.lse, dq, dk, dv, scale);
@@ -203,12 +206,12 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
     ops::rope_backward(dq, mb.positions, theta);
     ops::rope_backward(dk, mb.positions, theta);
   }
-  Tensor da_in = Tensor::zeros({T, C});
+  Tensor da_in = act_zeros({T, C});
   for (auto [name, d] :
        {std::pair<const char*, Tensor*>{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}}) {
     Param& w = p(pre + name + ".weight");
     Param* b = ps_->find(pre + name + ".bias");
-    ops::linear_backward(&da_in, w.grad, b ? &b->grad : nullptr, *d, a.a_in, w.value);
+    ops::linear_backward(&da_in, w.grad, b ? &b->grad : nullptr, *d, a.a_in, w.compute_value());
   }
   Tensor dn1 = tp_->enter_backward(da_in);
   norm_backward(pre + "attn_norm", dx, dn1, a.x_in, a.n1_mean, a.n1_rstd);
@@ -224,12 +227,12 @@ Tensor Transformer::forward(const Microbatch& mb, const Tensor& x_in, Activation
             mb.max_seqlen, cfg_.max_seq_len);
   Tensor x;
   if (stage_.has_embedding) {
-    Tensor partial = Tensor::empty({T, C});
-    ops::embedding_forward(partial, mb.tokens, p("embed.tokens.weight").value, vocab_start_);
+    Tensor partial = act({T, C});
+    ops::embedding_forward(partial, mb.tokens, p("embed.tokens.weight").compute_value(), vocab_start_);
     x = tp_->exit_forward(partial);
     if (cfg_.is_gpt2()) {
       Tensor pos = ops::slice_rows(mb.positions, tok0, Tl);
-      ops::add_position_embedding_forward(x, pos, p("embed.positions.weight").value);
+      ops::add_position_embedding_forward(x, pos, p("embed.positions.weight").compute_value());
     }
   } else {
     NDT_CHECK(x_in.defined() && x_in.size(0) == Tl && x_in.size(1) == C,
@@ -238,39 +241,49 @@ Tensor Transformer::forward(const Microbatch& mb, const Tensor& x_in, Activation
     x = x_in;
   }
   acts.layers.resize(static_cast<size_t>(stage_.last_layer - stage_.first_layer));
-  for (int64_t l = stage_.first_layer; l < stage_.last_layer; ++l)
-    x = layer_forward(l, mb, x, acts.layers[static_cast<size_t>(l - stage_.first_layer)]);
+  for (int64_t l = stage_.first_layer; l < stage_.last_layer; ++l) {
+    LayerActs& a = acts.layers[static_cast<size_t>(l - stage_.first_layer)];
+    if (recompute_) {  // keep only the layer input; backward recomputes the rest
+      LayerActs scratch;
+      Tensor y = layer_forward(l, mb, x, scratch);
+      a = LayerActs();
+      a.x_in = x;
+      x = y;
+    } else {
+      x = layer_forward(l, mb, x, a);
+    }
+  }
   if (!stage_.has_head) return x;
 
   acts.x_final = x;
   norm_forward("final_norm", x, acts.fn, acts.fn_mean, acts.fn_rstd);
   acts.head_in = tp_->enter_forward(acts.fn);
-  const Tensor& w = cfg_.tied() ? p("embed.tokens.weight").value : p("lm_head.weight").value;
-  acts.logits = Tensor::empty({T, vocab_local_});
+  const Tensor& w =
+      cfg_.tied() ? p("embed.tokens.weight").compute_value() : p("lm_head.weight").compute_value();
+  acts.logits = act({T, vocab_local_});
   ops::linear_forward(acts.logits, acts.head_in, w, nullptr);
   // Vocab-parallel softmax: the full logits never exist on one rank; three reductions over TP.
-  acts.rowmax = Tensor::empty({T});
-  acts.sumexp = Tensor::empty({T});
-  Tensor target_logit = Tensor::empty({T});
-  acts.logprob = Tensor::empty({T});
-  cpu::xent_rowmax(acts.rowmax.f32(), acts.logits.f32(), T, vocab_local_);
-  tp_->all_reduce_max(acts.rowmax.f32(), T);
-  cpu::xent_sumexp(acts.sumexp.f32(), acts.logits.f32(), acts.rowmax.f32(), T, vocab_local_);
-  tp_->all_reduce_sum(acts.sumexp.f32(), T);
-  cpu::xent_target_logit(target_logit.f32(), acts.logits.f32(), mb.targets.i32(), T, vocab_local_,
-                         vocab_start_);
+  acts.rowmax = stat({T});
+  acts.sumexp = stat({T});
+  Tensor target_logit = stat({T});
+  acts.logprob = stat({T});
+  // (The hooks reduce in place over raw pointers: device pointers when the model runs on a GPU.)
+  if (tp_->size() == 1) {
+    ops::xent_rowmax_sumexp(acts.rowmax, acts.sumexp, acts.logits);  // one pass over the logits on a GPU
+  } else {
+    ops::xent_rowmax(acts.rowmax, acts.logits);
+    tp_->all_reduce_max(acts.rowmax.f32(), T);
+    ops::xent_sumexp(acts.sumexp, acts.logits, acts.rowmax);
+    tp_->all_reduce_sum(acts.sumexp.f32(), T);
+  }
+  ops::xent_target_logit(target_logit, acts.logits, mb.targets, vocab_start_);
   tp_->all_reduce_sum(target_logit.f32(), T);
-  cpu::xent_logprob(acts.logprob.f32(), target_logit.f32(), acts.rowmax.f32(), acts.sumexp.f32(), T);
+  ops::xent_logprob(acts.logprob, target_logit, acts.rowmax, acts.sumexp);
   return x;
 }
 
 double Transformer::loss_sum(const Microbatch& mb, const Activations& acts) const {
-  const float* lp = acts.logprob.f32();
-  const float* mask = mb.loss_mask.f32();
-  double s = 0;
-  for (int64_t t = 0; t < mb.num_tokens(); ++t)
-    if (mask[t] != 0.0f) s -= static_cast<double>(lp[t]) * mask[t];
-  return s;
+  return ops::masked_loss_sum(acts.logprob, mb.loss_mask);
 }
 
 Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_scale, Activations& acts) {
@@ -278,24 +291,31 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
   auto [tok0, Tl] = tp_->local_tokens(T);
   Tensor dx;
   if (stage_.has_head) {
-    Tensor dloss = Tensor::empty({T});
-    const float* mask = mb.loss_mask.f32();
-    for (int64_t t = 0; t < T; ++t) dloss.f32()[t] = loss_scale * mask[t];
-    Tensor dlogits = Tensor::zeros({T, vocab_local_});
-    cpu::xent_backward(dlogits.f32(), acts.logits.f32(), acts.rowmax.f32(), acts.sumexp.f32(),
-                       mb.targets.i32(), dloss.f32(), T, vocab_local_, vocab_start_);
+    Tensor dloss = stat({T});
+    ops::fill_dloss(dloss, mb.loss_mask, loss_scale);
+    // The logits die here: their buffer becomes dlogits (saves a (T, V) tensor, the largest of the step).
+    ops::xent_backward_inplace(acts.logits, acts.rowmax, acts.sumexp, mb.targets, dloss, vocab_start_);
+    Tensor dlogits = acts.logits;
+    acts.logits = Tensor();
     Param& w = cfg_.tied() ? p("embed.tokens.weight") : p("lm_head.weight");
-    Tensor dhead_in = Tensor::zeros({T, C});
-    ops::linear_backward(&dhead_in, w.grad, nullptr, dlogits, acts.head_in, w.value);
+    Tensor dhead_in = act_zeros({T, C});
+    ops::linear_backward(&dhead_in, w.grad, nullptr, dlogits, acts.head_in, w.compute_value());
     Tensor dfn = tp_->enter_backward(dhead_in);
-    dx = Tensor::zeros({Tl, C});
+    dx = act_zeros({Tl, C});
     norm_backward("final_norm", dx, dfn, acts.x_final, acts.fn_mean, acts.fn_rstd);
   } else {
     NDT_CHECK(dy.defined() && dy.size(0) == Tl, "stage output gradient must have {} rows", Tl);
     dx = dy;
   }
-  for (int64_t l = stage_.last_layer - 1; l >= stage_.first_layer; --l)
-    dx = layer_backward(l, mb, dx, acts.layers[static_cast<size_t>(l - stage_.first_layer)]);
+  for (int64_t l = stage_.last_layer - 1; l >= stage_.first_layer; --l) {
+    LayerActs& a = acts.layers[static_cast<size_t>(l - stage_.first_layer)];
+    if (recompute_) {
+      const Tensor x = a.x_in;
+      layer_forward(l, mb, x, a);  // the same computation as in forward, so the same values
+    }
+    dx = layer_backward(l, mb, dx, a);
+    a = LayerActs();  // this layer's activations are dead: free them before the next layer's backward
+  }
   if (!stage_.has_embedding) return dx;
   if (cfg_.is_gpt2()) {
     Tensor pos = ops::slice_rows(mb.positions, tok0, Tl);
@@ -310,7 +330,8 @@ std::vector<int32_t> Transformer::argmax_rows(const Activations& acts,
                                               const std::vector<int64_t>& rows) const {
   const int64_t n = static_cast<int64_t>(rows.size());
   std::vector<float> best(static_cast<size_t>(n)), neg_idx(static_cast<size_t>(n));
-  const float* lg = acts.logits.f32();
+  const Tensor host_logits = ops::to_host_f32(acts.logits);
+  const float* lg = host_logits.f32();
   for (int64_t i = 0; i < n; ++i) {
     const float* row = lg + rows[static_cast<size_t>(i)] * vocab_local_;
     int64_t arg = 0;
@@ -338,14 +359,14 @@ void Transformer::topk_rows(const Activations& acts, int64_t k, std::vector<floa
   const int64_t T = acts.logits.size(0), kl = std::min(k, vocab_local_), tps = tp_->size();
   // Every TP rank proposes its shard's top kl per row into its own slot; a sum over TP gathers them.
   std::vector<float> cand_v(static_cast<size_t>(tps * T * kl), 0.0f), cand_i(cand_v.size(), 0.0f);
-  const float* lg = acts.logits.f32();
+  const Tensor host_logits = ops::to_host_f32(acts.logits);
+  const float* lg = host_logits.f32();
   std::vector<int64_t> idx(static_cast<size_t>(vocab_local_));
   for (int64_t t = 0; t < T; ++t) {
     const float* row = lg + t * vocab_local_;
     for (int64_t j = 0; j < vocab_local_; ++j) idx[static_cast<size_t>(j)] = j;
-    std::partial_sort(idx.begin(), idx.begin() + kl, idx.end(), [&](int64_t a, int64_t b) {
-      return row[a] > row[b] || (row[a] == row[b] && a < b);
-    });
+    std::partial_sort(idx.begin(), idx.begin() + kl, idx.end(),
+                      [&](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
     const size_t base = static_cast<size_t>((tp_->rank() * T + t) * kl);
     for (int64_t j = 0; j < kl; ++j) {
       cand_v[base + static_cast<size_t>(j)] = row[idx[static_cast<size_t>(j)]];

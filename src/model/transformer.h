@@ -58,6 +58,9 @@ class Transformer {
   ParamStore& params() { return *ps_; }
   // Context parallelism: attention goes through `cp` (not owned; null = local attention).
   void set_cp(CpHooks* cp) { cp_ = cp; }
+  // Activation recomputation: forward keeps only each layer's input; backward reruns the layer's forward
+  // before its backward (same values, so the same gradients) for less activation memory.
+  void set_recompute(bool on) { recompute_ = on; }
   const ModelConfig& config() const { return cfg_; }
   const StageSpec& stage() const { return stage_; }
   int64_t local_vocab() const { return vocab_local_; }
@@ -71,13 +74,19 @@ class Transformer {
   // Backward of this stage. On the last stage the loss gradient is seeded as loss_scale for every
   // loss-bearing token (loss_scale = 1 / tokens in the global batch) and dy is ignored; otherwise dy
   // (Tl, C) is the gradient of the stage output. Returns the gradient of x_in (first stage: undefined).
+  // Consumes acts (layer activations are freed as it goes; the logits buffer becomes their gradient).
+  //
+  // Device and precision come from the parameter store (ParamStore::to_device): activations are
+  // allocated there in its compute dtype, statistics (norm rstd, lse, softmax pieces, logprob) in f32;
+  // microbatch tensors stay on the host (the ops upload what they need).
   Tensor backward(const Microbatch& mb, const Tensor& dy, float loss_scale, Activations& acts);
   // Greedy next token at the given token rows (global vocabulary ids, ties to the smallest id),
   // from acts.logits of the last forward (last stage).
   std::vector<int32_t> argmax_rows(const Activations& acts, const std::vector<int64_t>& rows) const;
   // The k largest logits of every row of the last forward (last stage), values descending with ties to
   // the smaller global id: values/ids (T, k). Collective over TP (shards' candidates are merged).
-  void topk_rows(const Activations& acts, int64_t k, std::vector<float>& values, std::vector<int32_t>& ids) const;
+  void topk_rows(const Activations& acts, int64_t k, std::vector<float>& values,
+                 std::vector<int32_t>& ids) const;
 
  private:
   Tensor layer_forward(int64_t l, const Microbatch& mb, const Tensor& x, LayerActs& a);
@@ -87,6 +96,10 @@ class Transformer {
                      const Tensor& mean, const Tensor& rstd);
   Param& p(const std::string& name) { return ps_->get(name); }
   const Tensor* bias(const std::string& name);
+  // Activation / statistics buffers on the store's device (activations in its compute dtype).
+  Tensor act(Shape s) const { return Tensor::empty(std::move(s), ps_->compute_dtype(), ps_->device()); }
+  Tensor act_zeros(Shape s) const { return Tensor::zeros(std::move(s), ps_->compute_dtype(), ps_->device()); }
+  Tensor stat(Shape s) const { return Tensor::empty(std::move(s), DType::F32, ps_->device()); }
   std::string lp(int64_t l) const { return "layers." + std::to_string(l) + "."; }
 
   ModelConfig cfg_;
@@ -94,6 +107,7 @@ class Transformer {
   TpHooks default_tp_;
   TpHooks* tp_;
   CpHooks* cp_ = nullptr;
+  bool recompute_ = false;
   ParamStore own_params_;
   ParamStore* ps_;
   int64_t heads_local_, kv_local_, ffn_local_, vocab_local_, vocab_start_;

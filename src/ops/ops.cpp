@@ -5,6 +5,17 @@
 
 #include "ops/cpu_ops.h"
 
+#ifdef NDT_HAVE_CUDA
+#include <cuda_bf16.h>
+
+#include <type_traits>
+
+#include "cuda/cuda_ops.h"
+#include "cuda/flash_attention.h"
+#include "cuda/runtime.h"
+#include "cuda/train_kernels.h"
+#endif
+
 namespace ndt::ops {
 namespace {
 
@@ -17,56 +28,140 @@ void require_shape(const Tensor& t, const Shape& s, const char* what) {
   NDT_CHECK(t.shape() == s, "{}: expected shape {}, got {}", what, shape_str(s), shape_str(t.shape()));
 }
 int64_t rows(const Tensor& t) { return t.numel() / t.size(-1); }
+bool on_cuda(const Tensor& t) { return t.device() == Device::CUDA; }
+
+#ifdef NDT_HAVE_CUDA
+using bf16 = __nv_bfloat16;
+template <typename E>
+constexpr DType dtype_for() {
+  return std::is_same_v<E, float> ? DType::F32 : DType::BF16;
+}
+// Device pointer of t as E (checks device and dtype).
+template <typename E>
+E* dp(Tensor& t, const char* what) {
+  NDT_CHECK(t.device() == Device::CUDA && t.dtype() == dtype_for<E>(),
+            "{}: expected a cuda {} tensor, got {} {}", what, dtype_name(dtype_for<E>()),
+            device_name(t.device()), dtype_name(t.dtype()));
+  return static_cast<E*>(t.data_ptr());
+}
+template <typename E>
+const E* dp(const Tensor& t, const char* what) {
+  return dp<E>(const_cast<Tensor&>(t), what);
+}
+template <typename E>
+E* dp_opt(Tensor* t, const char* what) {
+  return t ? dp<E>(*t, what) : nullptr;
+}
+template <typename E>
+const E* dp_opt(const Tensor* t, const char* what) {
+  return t ? dp<E>(*t, what) : nullptr;
+}
+// Metadata (i32 ids/positions/cu_seqlens, f32 masks) on the device: itself, or an upload kept in `keep`
+// (freed stream-ordered after the launches that use it).
+template <typename T>
+const T* dev_meta(const Tensor& t, Tensor& keep) {
+  if (t.device() == Device::CUDA) return t.data<T>();
+  keep = t.to(Device::CUDA);
+  return keep.data<T>();
+}
+template <typename E>
+struct Tag {
+  using type = E;
+};
+// Calls f(Tag<E>) with E the activation type of t (float or bf16).
+template <typename F>
+void by_dtype(const Tensor& t, F&& f) {
+  if (t.dtype() == DType::F32)
+    f(Tag<float>{});
+  else if (t.dtype() == DType::BF16)
+    f(Tag<bf16>{});
+  else
+    NDT_FAIL("cuda op on a {} tensor: activations must be f32 or bf16", dtype_name(t.dtype()));
+}
+cudaStream_t st() { return cuda::stream(); }
+// On a CUDA tensor: run the body with E = its activation type, then return from the calling op.
+#define NDT_ON_CUDA(t, ...)                    \
+  if (on_cuda(t)) {                            \
+    by_dtype((t), [&](auto tag_) {             \
+      using E = typename decltype(tag_)::type; \
+      __VA_ARGS__;                             \
+    });                                        \
+    return;                                    \
+  }
+#else
+#define NDT_ON_CUDA(t, ...)
+#endif
 
 }  // namespace
 
 void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table, int64_t vocab_start) {
-  require_cpu(table, "embedding_forward");
   int64_t T = ids.numel(), V = table.size(0), C = table.size(1);
   require_shape(out, {T, C}, "embedding_forward out");
+  NDT_ON_CUDA(table, Tensor k;
+              cuda::embedding_forward<E>(dp<E>(out, "embedding out"), dev_meta<int32_t>(ids, k),
+                                         dp<E>(table, "embedding table"), T, V, C, vocab_start, st()));
+  require_cpu(table, "embedding_forward");
   cpu::embedding_forward(out.f32(), ids.i32(), table.f32(), T, V, C, vocab_start);
 }
 
 void embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids, int64_t vocab_start) {
-  require_cpu(dtable, "embedding_backward");
   int64_t T = ids.numel(), V = dtable.size(0), C = dtable.size(1);
   require_shape(dout, {T, C}, "embedding_backward dout");
+  NDT_ON_CUDA(dout, Tensor k;
+              cuda::embedding_backward<E>(dp<float>(dtable, "dtable"), dp<E>(dout, "dout"),
+                                          dev_meta<int32_t>(ids, k), T, V, C, vocab_start, st()));
+  require_cpu(dtable, "embedding_backward");
   cpu::embedding_backward(dtable.f32(), dout.f32(), ids.i32(), T, V, C, vocab_start);
 }
 
 void add_position_embedding_forward(Tensor& x, const Tensor& pos, const Tensor& table) {
-  require_cpu(x, "add_position_embedding_forward");
   int64_t T = pos.numel(), P = table.size(0), C = table.size(1);
   require_shape(x, {T, C}, "add_position_embedding x");
+  NDT_ON_CUDA(x, Tensor k; cuda::add_position_embedding_forward<E>(dp<E>(x, "x"), dev_meta<int32_t>(pos, k),
+                                                                   dp<E>(table, "pos table"), T, P, C, st()));
+  require_cpu(x, "add_position_embedding_forward");
   cpu::add_position_embedding_forward(x.f32(), pos.i32(), table.f32(), T, P, C);
 }
 
 void add_position_embedding_backward(Tensor& dtable, const Tensor& dx, const Tensor& pos) {
-  require_cpu(dx, "add_position_embedding_backward");
   int64_t T = pos.numel(), P = dtable.size(0), C = dtable.size(1);
+  NDT_ON_CUDA(dx, Tensor k;
+              cuda::add_position_embedding_backward<E>(dp<float>(dtable, "dpos table"), dp<E>(dx, "dx"),
+                                                       dev_meta<int32_t>(pos, k), T, P, C, st()));
+  require_cpu(dx, "add_position_embedding_backward");
   cpu::add_position_embedding_backward(dtable.f32(), dx.f32(), pos.i32(), T, P, C);
 }
 
 void linear_forward(Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor* bias) {
-  require_cpu(inp, "linear_forward");
   int64_t OC = weight.size(0), IC = weight.size(1), T = rows(inp);
   NDT_CHECK(inp.size(-1) == IC, "linear_forward: input has {} features, weight expects {}", inp.size(-1), IC);
   NDT_CHECK(out.numel() == T * OC, "linear_forward: out has {} elements, expected {}", out.numel(), T * OC);
+  NDT_ON_CUDA(inp, cuda::linear_forward<E>(dp<E>(out, "linear out"), dp<E>(inp, "linear inp"),
+                                           dp<E>(weight, "linear weight"), dp_opt<E>(bias, "linear bias"), T,
+                                           IC, OC, st()));
+  require_cpu(inp, "linear_forward");
   cpu::linear_forward(out.f32(), inp.f32(), weight.f32(), bias ? bias->f32() : nullptr, T, IC, OC);
 }
 
 void linear_backward(Tensor* dinp, Tensor& dweight, Tensor* dbias, const Tensor& dout, const Tensor& inp,
                      const Tensor& weight) {
-  require_cpu(inp, "linear_backward");
   int64_t OC = weight.size(0), IC = weight.size(1), T = rows(inp);
   NDT_CHECK(dout.numel() == T * OC, "linear_backward: dout has {} elements, expected {}", dout.numel(),
             T * OC);
+  NDT_ON_CUDA(inp, cuda::linear_backward<E>(dp_opt<E>(dinp, "dinp"), dp<float>(dweight, "dweight"),
+                                            dp_opt<float>(dbias, "dbias"), dp<E>(dout, "dout"),
+                                            dp<E>(inp, "inp"), dp<E>(weight, "weight"), T, IC, OC, st()));
+  require_cpu(inp, "linear_backward");
   cpu::linear_backward(dinp ? dinp->f32() : nullptr, dweight.f32(), dbias ? dbias->f32() : nullptr,
                        dout.f32(), inp.f32(), weight.f32(), T, IC, OC);
 }
 
 void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp, const Tensor& weight,
                        const Tensor& bias, float eps) {
+  NDT_ON_CUDA(inp, cuda::layernorm_forward<E>(dp<E>(out, "ln out"), dp<float>(mean, "ln mean"),
+                                              dp<float>(rstd, "ln rstd"), dp<E>(inp, "ln inp"),
+                                              dp<E>(weight, "ln weight"), dp<E>(bias, "ln bias"), rows(inp),
+                                              inp.size(-1), eps, st()));
   require_cpu(inp, "layernorm_forward");
   cpu::layernorm_forward(out.f32(), mean.f32(), rstd.f32(), inp.f32(), weight.f32(), bias.f32(), rows(inp),
                          inp.size(-1), eps);
@@ -74,42 +169,65 @@ void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& in
 
 void layernorm_backward(Tensor& dinp, Tensor& dweight, Tensor& dbias, const Tensor& dout, const Tensor& inp,
                         const Tensor& weight, const Tensor& mean, const Tensor& rstd) {
+  NDT_ON_CUDA(inp, cuda::layernorm_backward<E>(dp<E>(dinp, "ln dinp"), dp<float>(dweight, "ln dweight"),
+                                               dp<float>(dbias, "ln dbias"), dp<E>(dout, "ln dout"),
+                                               dp<E>(inp, "ln inp"), dp<E>(weight, "ln weight"),
+                                               dp<float>(mean, "ln mean"), dp<float>(rstd, "ln rstd"),
+                                               rows(inp), inp.size(-1), st()));
   require_cpu(inp, "layernorm_backward");
   cpu::layernorm_backward(dinp.f32(), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(),
                           mean.f32(), rstd.f32(), rows(inp), inp.size(-1));
 }
 
 void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) {
+  NDT_ON_CUDA(
+      inp, cuda::rmsnorm_forward<E>(dp<E>(out, "rms out"), dp<float>(rstd, "rms rstd"), dp<E>(inp, "rms inp"),
+                                    dp<E>(weight, "rms weight"), rows(inp), inp.size(-1), eps, st()));
   require_cpu(inp, "rmsnorm_forward");
   cpu::rmsnorm_forward(out.f32(), rstd.f32(), inp.f32(), weight.f32(), rows(inp), inp.size(-1), eps);
 }
 
 void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
                       const Tensor& weight, const Tensor& rstd) {
+  NDT_ON_CUDA(inp, cuda::rmsnorm_backward<E>(dp<E>(dinp, "rms dinp"), dp<float>(dweight, "rms dweight"),
+                                             dp<E>(dout, "rms dout"), dp<E>(inp, "rms inp"),
+                                             dp<E>(weight, "rms weight"), dp<float>(rstd, "rms rstd"),
+                                             rows(inp), inp.size(-1), st()));
   require_cpu(inp, "rmsnorm_backward");
   cpu::rmsnorm_backward(dinp.f32(), dweight.f32(), dout.f32(), inp.f32(), weight.f32(), rstd.f32(), rows(inp),
                         inp.size(-1));
 }
 
 void rope_forward(Tensor& x, const Tensor& pos, float theta) {
+  NDT_ON_CUDA(x, Tensor k;
+              cuda::rope_forward<E>(dp<E>(x, "rope x"), dp<E>(x, "rope x"), dev_meta<int32_t>(pos, k),
+                                    x.size(0), x.size(1), x.size(2), theta, st()));
   require_cpu(x, "rope_forward");
   cpu::rope_forward(x.f32(), x.f32(), pos.i32(), x.size(0), x.size(1), x.size(2), theta);
 }
 
 void rope_backward(Tensor& dx, const Tensor& pos, float theta) {
-  require_cpu(dx, "rope_backward");
   // Backward is the inverse rotation; it writes (not accumulates) when input and output alias, so
   // rotate a copy into a zeroed buffer and store it back.
-  Tensor tmp = Tensor::zeros(dx.shape());
+  Tensor tmp = Tensor::zeros(dx.shape(), dx.dtype(), dx.device());
+  NDT_ON_CUDA(dx, Tensor k;
+              cuda::rope_backward<E>(dp<E>(tmp, "rope tmp"), dp<E>(dx, "rope dx"), dev_meta<int32_t>(pos, k),
+                                     dx.size(0), dx.size(1), dx.size(2), theta, st());
+              dx.copy_from(tmp));
+  require_cpu(dx, "rope_backward");
   cpu::rope_backward(tmp.f32(), dx.f32(), pos.i32(), dx.size(0), dx.size(1), dx.size(2), theta);
   dx.copy_from(tmp);
 }
 
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& cu_seqlens, float scale) {
-  require_cpu(q, "attention_forward");
   int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1);
   NDT_CHECK(H % KV == 0, "attention: {} query heads not divisible by {} kv heads", H, KV);
+  NDT_ON_CUDA(q, Tensor kc; const int32_t* cu = dev_meta<int32_t>(cu_seqlens, kc);
+              cuda::attention_forward<E>(dp<E>(out, "att out"), dp<float>(lse, "att lse"), dp<E>(q, "q"),
+                                         dp<E>(k, "k"), dp<E>(v, "v"), cu, cu, nullptr, nullptr,
+                                         cu_seqlens.numel() - 1, T, T, H, KV, D, scale, st()));
+  require_cpu(q, "attention_forward");
   cpu::attention_forward(out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), cu_seqlens.i32(),
                          cu_seqlens.numel() - 1, T, H, KV, D, scale);
 }
@@ -117,8 +235,13 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& 
 void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                         const Tensor& cu_seqlens, float scale) {
-  require_cpu(q, "attention_backward");
   int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1);
+  NDT_ON_CUDA(q, Tensor kc; const int32_t* cu = dev_meta<int32_t>(cu_seqlens, kc);
+              cuda::attention_backward<E>(
+                  dp<E>(dq, "dq"), dp<E>(dk, "dk"), dp<E>(dv, "dv"), dp<E>(dout, "att dout"), dp<E>(q, "q"),
+                  dp<E>(k, "k"), dp<E>(v, "v"), dp<E>(out, "att out"), dp<float>(lse, "att lse"), cu, cu,
+                  nullptr, nullptr, cu_seqlens.numel() - 1, T, T, H, KV, D, scale, st()));
+  require_cpu(q, "attention_backward");
   cpu::attention_backward(dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(), out.f32(),
                           lse.f32(), cu_seqlens.i32(), cu_seqlens.numel() - 1, T, H, KV, D, scale);
 }
@@ -126,18 +249,30 @@ void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, 
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& cu_q, const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k,
                        float scale) {
-  require_cpu(q, "attention_forward");
   NDT_CHECK(cu_q.numel() == cu_k.numel() && pos_q.numel() == q.size(0) && pos_k.numel() == k.size(0),
             "attention: query/key metadata do not match ({} / {} segments, {} / {} positions)", cu_q.numel(),
             cu_k.numel(), pos_q.numel(), pos_k.numel());
+  NDT_ON_CUDA(q, Tensor k1, k2, k3, k4; cuda::attention_forward<E>(
+                  dp<E>(out, "att out"), dp<float>(lse, "att lse"), dp<E>(q, "q"), dp<E>(k, "k"),
+                  dp<E>(v, "v"), dev_meta<int32_t>(cu_q, k1), dev_meta<int32_t>(cu_k, k2),
+                  dev_meta<int32_t>(pos_q, k3), dev_meta<int32_t>(pos_k, k4), cu_q.numel() - 1, q.size(0),
+                  k.size(0), q.size(1), k.size(1), q.size(2), scale, st()));
+  require_cpu(q, "attention_forward");
   cpu::attention_forward(out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), cu_q.i32(), cu_k.i32(), pos_q.i32(),
                          pos_k.i32(), cu_q.numel() - 1, q.size(0), k.size(0), q.size(1), k.size(1), q.size(2),
                          scale);
 }
 
 void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
-                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& cu_q,
-                        const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k, float scale) {
+                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                        const Tensor& cu_q, const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k,
+                        float scale) {
+  NDT_ON_CUDA(q, Tensor k1, k2, k3, k4; cuda::attention_backward<E>(
+                  dp<E>(dq, "dq"), dp<E>(dk, "dk"), dp<E>(dv, "dv"), dp<E>(dout, "att dout"), dp<E>(q, "q"),
+                  dp<E>(k, "k"), dp<E>(v, "v"), dp<E>(out, "att out"), dp<float>(lse, "att lse"),
+                  dev_meta<int32_t>(cu_q, k1), dev_meta<int32_t>(cu_k, k2), dev_meta<int32_t>(pos_q, k3),
+                  dev_meta<int32_t>(pos_k, k4), cu_q.numel() - 1, q.size(0), k.size(0), q.size(1), k.size(1),
+                  q.size(2), scale, st()));
   require_cpu(q, "attention_backward");
   cpu::attention_backward(dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(), out.f32(),
                           lse.f32(), cu_q.i32(), cu_k.i32(), pos_q.i32(), pos_k.i32(), cu_q.numel() - 1,
@@ -145,55 +280,104 @@ void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, 
 }
 
 Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& idx) {
-  require_cpu(src, "gather_rows");
   Shape shape = src.shape();
   const int64_t row = src.numel() / std::max<int64_t>(1, shape[0]), bytes = row * dtype_size(src.dtype());
   shape[0] = static_cast<int64_t>(idx.size());
-  Tensor out = Tensor::empty(shape, src.dtype());
+  Tensor out = Tensor::empty(shape, src.dtype(), src.device());
+  for (size_t i = 0; i < idx.size(); ++i)
+    NDT_CHECK(idx[i] >= 0 && idx[i] < src.size(0), "gather_rows: index {} outside {} rows", idx[i],
+              src.size(0));
+  if (on_cuda(src)) {
+    // Row permutations here are runs of consecutive rows (CP chunks): one copy per run.
+    for (size_t i = 0; i < idx.size();) {
+      size_t j = i + 1;
+      while (j < idx.size() && idx[j] == idx[j - 1] + 1) ++j;
+      const int64_t n = static_cast<int64_t>(j - i);
+      out.view_at(static_cast<int64_t>(i) * row, {n * row}).copy_from(src.view_at(idx[i] * row, {n * row}));
+      i = j;
+    }
+    return out;
+  }
   const char* s = static_cast<const char*>(src.data_ptr());
   char* d = static_cast<char*>(out.data_ptr());
-  for (size_t i = 0; i < idx.size(); ++i) {
-    NDT_CHECK(idx[i] >= 0 && idx[i] < src.size(0), "gather_rows: index {} outside {} rows", idx[i], src.size(0));
+  for (size_t i = 0; i < idx.size(); ++i)
     std::memcpy(d + static_cast<int64_t>(i) * bytes, s + idx[i] * bytes, static_cast<size_t>(bytes));
-  }
   return out;
 }
 
 void scatter_add_rows(Tensor& dst, const Tensor& src, const std::vector<int64_t>& idx) {
-  require_cpu(src, "scatter_add_rows");
-  NDT_CHECK(src.dtype() == DType::F32 && dst.dtype() == DType::F32 && src.size(0) == static_cast<int64_t>(idx.size()),
-            "scatter_add_rows: f32 tensors with one index per source row");
+  NDT_CHECK(src.dtype() == dst.dtype() && src.size(0) == static_cast<int64_t>(idx.size()),
+            "scatter_add_rows: same dtypes with one index per source row");
   const int64_t row = src.numel() / std::max<int64_t>(1, src.size(0));
-  for (size_t i = 0; i < idx.size(); ++i) {
+  for (size_t i = 0; i < idx.size(); ++i)
     NDT_CHECK(idx[i] >= 0 && idx[i] < dst.size(0), "scatter_add_rows: index {} outside {} rows", idx[i],
               dst.size(0));
-    cpu::add_inplace(dst.f32() + idx[i] * row, src.f32() + static_cast<int64_t>(i) * row, row);
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(src)) {
+    by_dtype(src, [&](auto tag_) {
+      using E = typename decltype(tag_)::type;
+      for (size_t i = 0; i < idx.size();) {  // runs of consecutive rows: one launch each
+        size_t j = i + 1;
+        while (j < idx.size() && idx[j] == idx[j - 1] + 1) ++j;
+        cuda::add_inplace<E>(dp<E>(dst, "scatter dst") + idx[i] * row,
+                             dp<E>(src, "scatter src") + static_cast<int64_t>(i) * row,
+                             static_cast<int64_t>(j - i) * row, st());
+        i = j;
+      }
+    });
+    return;
   }
+#endif
+  require_cpu(src, "scatter_add_rows");
+  NDT_CHECK(src.dtype() == DType::F32, "scatter_add_rows: f32 tensors on the CPU");
+  for (size_t i = 0; i < idx.size(); ++i)
+    cpu::add_inplace(dst.f32() + idx[i] * row, src.f32() + static_cast<int64_t>(i) * row, row);
 }
 
 void gelu_forward(Tensor& out, const Tensor& inp) {
+  NDT_ON_CUDA(inp, cuda::gelu_forward<E>(dp<E>(out, "gelu out"), dp<E>(inp, "gelu inp"), inp.numel(), st()));
   require_cpu(inp, "gelu_forward");
   cpu::gelu_forward(out.f32(), inp.f32(), inp.numel());
 }
 
 void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+  NDT_ON_CUDA(inp, cuda::gelu_backward<E>(dp<E>(dinp, "gelu dinp"), dp<E>(dout, "gelu dout"),
+                                          dp<E>(inp, "gelu inp"), inp.numel(), st()));
   require_cpu(inp, "gelu_backward");
   cpu::gelu_backward(dinp.f32(), dout.f32(), inp.f32(), inp.numel());
 }
 
 void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) {
+  NDT_ON_CUDA(gate, cuda::swiglu_forward<E>(dp<E>(out, "swiglu out"), dp<E>(gate, "gate"), dp<E>(up, "up"),
+                                            gate.numel(), st()));
   require_cpu(gate, "swiglu_forward");
   cpu::swiglu_forward(out.f32(), gate.f32(), up.f32(), gate.numel());
 }
 
 void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up) {
+  NDT_ON_CUDA(gate,
+              cuda::swiglu_backward<E>(dp<E>(dgate, "dgate"), dp<E>(dup, "dup"), dp<E>(dout, "swiglu dout"),
+                                       dp<E>(gate, "gate"), dp<E>(up, "up"), gate.numel(), st()));
   require_cpu(gate, "swiglu_backward");
   cpu::swiglu_backward(dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), gate.numel());
 }
 
+void attention_merge(Tensor& out, Tensor& lse, const Tensor& o, const Tensor& l) {
+  NDT_CHECK(out.numel() == o.numel() && lse.numel() == l.numel() && lse.numel() > 0 &&
+                out.numel() % lse.numel() == 0,
+            "attention_merge: out {} / lse {} vs partial {} / {}", shape_str(out.shape()),
+            shape_str(lse.shape()), shape_str(o.shape()), shape_str(l.shape()));
+  const int64_t rows = lse.numel(), D = out.numel() / rows;
+  NDT_ON_CUDA(out, cuda::attention_merge<E>(dp<E>(out, "merge out"), dp<float>(lse, "merge lse"),
+                                            dp<E>(o, "merge o"), dp<float>(l, "merge l"), rows, D, st()));
+  require_cpu(out, "attention_merge");
+  cpu::attention_merge(out.f32(), lse.f32(), o.f32(), l.f32(), rows, D);
+}
+
 void add_(Tensor& y, const Tensor& x) {
-  require_cpu(y, "add_");
   NDT_CHECK(y.numel() == x.numel(), "add_: {} vs {}", shape_str(y.shape()), shape_str(x.shape()));
+  NDT_ON_CUDA(y, cuda::add_inplace<E>(dp<E>(y, "add_ y"), dp<E>(x, "add_ x"), y.numel(), st()));
+  require_cpu(y, "add_");
   cpu::add_inplace(y.f32(), x.f32(), y.numel());
 }
 
@@ -202,8 +386,17 @@ void add_(Tensor& y, const Tensor& x) {
 namespace ndt::ops {
 
 void add_bias(Tensor& x, const Tensor& bias) {
-  require_cpu(x, "add_bias");
   const int64_t C = bias.numel(), T = x.numel() / C;
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(x)) {
+    by_dtype(x, [&](auto tag_) {
+      using E = typename decltype(tag_)::type;
+      cuda::add_bias_rows<E>(dp<E>(x, "add_bias x"), dp<E>(bias, "bias"), T, C, st());
+    });
+    return;
+  }
+#endif
+  require_cpu(x, "add_bias");
   float* px = x.f32();
   const float* pb = bias.f32();
 #pragma omp parallel for schedule(static)
@@ -212,8 +405,9 @@ void add_bias(Tensor& x, const Tensor& bias) {
 }
 
 void bias_backward(Tensor& dbias, const Tensor& dy) {
-  require_cpu(dy, "bias_backward");
   const int64_t C = dbias.numel(), T = dy.numel() / C;
+  NDT_ON_CUDA(dy, cuda::bias_backward<E>(dp<float>(dbias, "dbias"), dp<E>(dy, "dy"), T, C, st()));
+  require_cpu(dy, "bias_backward");
   float* pd = dbias.f32();
   const float* py = dy.f32();
   for (int64_t t = 0; t < T; ++t)
@@ -225,11 +419,186 @@ Tensor slice_rows(const Tensor& t, int64_t first, int64_t count) {
             t.size(0));
   Shape s = t.shape();
   s[0] = count;
+  const int64_t row = t.numel() / std::max<int64_t>(1, t.size(0));
   Tensor out = Tensor::empty(s, t.dtype(), t.device());
-  const size_t row_bytes = t.nbytes() / static_cast<size_t>(t.size(0));
-  std::memcpy(out.data_ptr(), static_cast<const uint8_t*>(t.data_ptr()) + first * row_bytes,
-              count * row_bytes);
+  out.copy_from(t.view_at(first * row, s));
   return out;
+}
+
+// ---- loss pieces ----
+
+void xent_rowmax(Tensor& rowmax, const Tensor& logits) {
+  NDT_ON_CUDA(logits, cuda::xent_rowmax<E>(dp<float>(rowmax, "rowmax"), dp<E>(logits, "logits"),
+                                           logits.size(0), logits.size(1), st()));
+  require_cpu(logits, "xent_rowmax");
+  cpu::xent_rowmax(rowmax.f32(), logits.f32(), logits.size(0), logits.size(1));
+}
+
+void xent_sumexp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax) {
+  NDT_ON_CUDA(logits,
+              cuda::xent_sumexp<E>(dp<float>(sumexp, "sumexp"), dp<E>(logits, "logits"),
+                                   dp<float>(rowmax, "rowmax"), logits.size(0), logits.size(1), st()));
+  require_cpu(logits, "xent_sumexp");
+  cpu::xent_sumexp(sumexp.f32(), logits.f32(), rowmax.f32(), logits.size(0), logits.size(1));
+}
+
+void xent_rowmax_sumexp(Tensor& rowmax, Tensor& sumexp, const Tensor& logits) {
+  NDT_ON_CUDA(logits,
+              cuda::xent_rowmax_sumexp<E>(dp<float>(rowmax, "rowmax"), dp<float>(sumexp, "sumexp"),
+                                          dp<E>(logits, "logits"), logits.size(0), logits.size(1), st()));
+  xent_rowmax(rowmax, logits);
+  xent_sumexp(sumexp, logits, rowmax);
+}
+
+void xent_target_logit(Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                       int64_t vocab_start) {
+  NDT_ON_CUDA(logits, Tensor k; cuda::xent_target_logit<E>(
+                  dp<float>(target_logit, "target_logit"), dp<E>(logits, "logits"),
+                  dev_meta<int32_t>(targets, k), logits.size(0), logits.size(1), vocab_start, st()));
+  require_cpu(logits, "xent_target_logit");
+  cpu::xent_target_logit(target_logit.f32(), logits.f32(), targets.i32(), logits.size(0), logits.size(1),
+                         vocab_start);
+}
+
+void xent_logprob(Tensor& logprob, const Tensor& target_logit, const Tensor& rowmax, const Tensor& sumexp) {
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(logprob)) {
+    cuda::xent_logprob(dp<float>(logprob, "logprob"), dp<float>(target_logit, "target_logit"),
+                       dp<float>(rowmax, "rowmax"), dp<float>(sumexp, "sumexp"), logprob.numel(), st());
+    return;
+  }
+#endif
+  require_cpu(logprob, "xent_logprob");
+  cpu::xent_logprob(logprob.f32(), target_logit.f32(), rowmax.f32(), sumexp.f32(), logprob.numel());
+}
+
+void xent_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax, const Tensor& sumexp,
+                   const Tensor& targets, const Tensor& dloss, int64_t vocab_start) {
+  NDT_ON_CUDA(logits, Tensor k1, k2; cuda::xent_backward<E>(
+                  dp<E>(dlogits, "dlogits"), dp<E>(logits, "logits"), dp<float>(rowmax, "rowmax"),
+                  dp<float>(sumexp, "sumexp"), dev_meta<int32_t>(targets, k1), dev_meta<float>(dloss, k2),
+                  logits.size(0), logits.size(1), vocab_start, st()));
+  require_cpu(logits, "xent_backward");
+  cpu::xent_backward(dlogits.f32(), logits.f32(), rowmax.f32(), sumexp.f32(), targets.i32(), dloss.f32(),
+                     logits.size(0), logits.size(1), vocab_start);
+}
+
+void xent_backward_inplace(Tensor& logits, const Tensor& rowmax, const Tensor& sumexp, const Tensor& targets,
+                           const Tensor& dloss, int64_t vocab_start) {
+  NDT_ON_CUDA(logits, Tensor k1, k2; cuda::xent_backward_inplace<E>(
+                  dp<E>(logits, "logits"), dp<float>(rowmax, "rowmax"), dp<float>(sumexp, "sumexp"),
+                  dev_meta<int32_t>(targets, k1), dev_meta<float>(dloss, k2), logits.size(0), logits.size(1),
+                  vocab_start, st()));
+  // CPU: the accumulating kernel into zeros, copied over (0 + x == x: the same values).
+  Tensor d = Tensor::zeros(logits.shape());
+  xent_backward(d, logits, rowmax, sumexp, targets, dloss, vocab_start);
+  logits.copy_from(d);
+}
+
+double masked_loss_sum(const Tensor& logprob, const Tensor& mask) {
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(logprob)) {
+    Tensor k, acc = Tensor::zeros({1}, DType::F64, Device::CUDA);
+    cuda::masked_loss_sum(acc.data<double>(), dp<float>(logprob, "logprob"), dev_meta<float>(mask, k),
+                          logprob.numel(), st());
+    return acc.to_vector<double>()[0];
+  }
+#endif
+  const float* lp = logprob.f32();
+  const float* m = mask.f32();
+  double s = 0;
+  for (int64_t t = 0; t < logprob.numel(); ++t)
+    if (m[t] != 0.0f) s -= static_cast<double>(lp[t]) * m[t];
+  return s;
+}
+
+void fill_dloss(Tensor& dloss, const Tensor& mask, float scale) {
+  NDT_CHECK(dloss.numel() == mask.numel(), "fill_dloss: {} vs {} rows", dloss.numel(), mask.numel());
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(dloss)) {
+    Tensor k;
+    cuda::scale_mask(dp<float>(dloss, "dloss"), dev_meta<float>(mask, k), scale, dloss.numel(), st());
+    return;
+  }
+#endif
+  float* d = dloss.f32();
+  const float* m = mask.f32();
+  for (int64_t t = 0; t < dloss.numel(); ++t) d[t] = scale * m[t];
+}
+
+Tensor add(const Tensor& a, const Tensor& b) {
+  NDT_CHECK(a.numel() == b.numel(), "add: {} vs {}", shape_str(a.shape()), shape_str(b.shape()));
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(a)) {
+    Tensor out = Tensor::empty(a.shape(), a.dtype(), a.device());
+    by_dtype(a, [&](auto tag_) {
+      using E = typename decltype(tag_)::type;
+      cuda::residual_forward<E>(dp<E>(out, "add out"), dp<E>(a, "add a"), dp<E>(b, "add b"), a.numel(), st());
+    });
+    return out;
+  }
+#endif
+  Tensor out = a.clone();
+  add_(out, b);
+  return out;
+}
+
+namespace {
+float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+}  // namespace
+
+void cast_into(Tensor& dst, const Tensor& src) {
+  NDT_CHECK(dst.numel() == src.numel() && dst.device() == src.device(), "cast_into: {} {} into {} {}",
+            shape_str(src.shape()), device_name(src.device()), shape_str(dst.shape()),
+            device_name(dst.device()));
+  if (dst.dtype() == src.dtype()) {
+    dst.copy_from(src);
+    return;
+  }
+  const bool to_bf16 = dst.dtype() == DType::BF16 && src.dtype() == DType::F32;
+  NDT_CHECK(to_bf16 || (dst.dtype() == DType::F32 && src.dtype() == DType::BF16),
+            "cast_into: {} to {} unsupported", dtype_name(src.dtype()), dtype_name(dst.dtype()));
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(dst)) {
+    if (to_bf16)
+      cuda::cast(static_cast<bf16*>(dst.data_ptr()), src.f32(), src.numel(), st());
+    else
+      cuda::cast(dst.f32(), static_cast<const bf16*>(src.data_ptr()), src.numel(), st());
+    return;
+  }
+#endif
+  const int64_t n = src.numel();
+  if (to_bf16) {
+    const float* s = src.f32();
+    uint16_t* d = dst.data<uint16_t>();
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(s[i]);
+  } else {
+    const uint16_t* s = src.data<uint16_t>();
+    float* d = dst.f32();
+    for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
+  }
+}
+
+Tensor to_host_f32(const Tensor& t) {
+  if (t.device() == Device::CPU && t.dtype() == DType::F32) return t;
+  Tensor f = t;
+  if (t.dtype() != DType::F32) {
+    f = Tensor::empty(t.shape(), DType::F32, t.device());
+    cast_into(f, t);
+  }
+  return f.to(Device::CPU);
 }
 
 }  // namespace ndt::ops

@@ -1,10 +1,15 @@
 #pragma once
 // Tensor-level ops: check shapes/dtypes, then dispatch on the tensor's device to the CPU reference
-// kernels (ops/cpu_ops.h) or, in a CUDA build, to their GPU twins. Callers (model, trainer) only use
-// this header, so adding a backend changes no caller. Backward ops ACCUMULATE into gradients (+=),
-// as in cpu_ops.h.
+// kernels (ops/cpu_ops.h) or, in a CUDA build, to their GPU twins (cuda/cuda_ops.h, cuda/flash_attention.h)
+// on the compute stream of cuda/runtime.h. Callers (model, trainer) only use this header, so adding a
+// backend changes no caller. Backward ops ACCUMULATE into gradients (+=), as in cpu_ops.h.
+//
+// Dtypes: on the CPU everything is f32. On CUDA, activations, their gradients and the weights passed in
+// (a Param's compute_value()) share one activation dtype, f32 or bf16; parameter GRADIENTS and per-row
+// statistics (norm mean/rstd, attention lse, softmax rowmax/sumexp, logprob, dloss) are always f32.
+// Integer/metadata inputs (ids, targets, positions, cu_seqlens, loss mask) may stay on the host when the
+// compute runs on the device: they are uploaded (asynchronously, stream-ordered) by the op.
 #include <cstdint>
-
 #include <vector>
 
 #include "core/tensor.h"
@@ -46,8 +51,13 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& 
                        const Tensor& cu_q, const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k,
                        float scale);
 void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
-                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& cu_q,
-                        const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k, float scale);
+                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                        const Tensor& cu_q, const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k,
+                        float scale);
+
+// (out, lse) <- log-sum-exp merge with a partial result (o, l) over a disjoint key set (ring CP);
+// out/o (T, H, D) in the activation dtype, lse/l (T, H) f32.
+void attention_merge(Tensor& out, Tensor& lse, const Tensor& o, const Tensor& l);
 
 // Row permutations (dim 0): gather_rows returns src[idx[i]] for each i; scatter_add_rows adds src[i]
 // into dst[idx[i]].
@@ -70,4 +80,34 @@ void add_bias(Tensor& x, const Tensor& bias);
 void bias_backward(Tensor& dbias, const Tensor& dy);
 // Copy of rows [first, first + count) of a (T, ...) tensor.
 Tensor slice_rows(const Tensor& t, int64_t first, int64_t count);
+}  // namespace ndt::ops
+
+namespace ndt::ops {
+// ---- loss pieces: vocab-parallel softmax cross-entropy (the math is in cpu_ops.h) ----
+// logits (T, V) in the activation dtype; rowmax, sumexp, target_logit, logprob, dloss (T) f32.
+void xent_rowmax(Tensor& rowmax, const Tensor& logits);
+void xent_sumexp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax);
+// xent_rowmax then xent_sumexp (one pass over the logits on the device; one rank: nothing to reduce between).
+void xent_rowmax_sumexp(Tensor& rowmax, Tensor& sumexp, const Tensor& logits);
+void xent_target_logit(Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                       int64_t vocab_start);
+void xent_logprob(Tensor& logprob, const Tensor& target_logit, const Tensor& rowmax, const Tensor& sumexp);
+// dlogits += dloss * (softmax - onehot(target)).
+void xent_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax, const Tensor& sumexp,
+                   const Tensor& targets, const Tensor& dloss, int64_t vocab_start);
+// The same values written over the logits (when the logits die with the backward: saves a (T, V) buffer).
+void xent_backward_inplace(Tensor& logits, const Tensor& rowmax, const Tensor& sumexp, const Tensor& targets,
+                           const Tensor& dloss, int64_t vocab_start);
+// -sum over rows with mask != 0 of logprob * mask, accumulated in double (waits for the device).
+double masked_loss_sum(const Tensor& logprob, const Tensor& mask);
+// dloss(T) = scale * mask (dloss on any device, mask f32).
+void fill_dloss(Tensor& dloss, const Tensor& mask, float scale);
+
+// ---- elementwise / conversion ----
+// a + b as a new tensor (like a).
+Tensor add(const Tensor& a, const Tensor& b);
+// dst = src converted between f32 and bf16 (round to nearest even), same numel and device.
+void cast_into(Tensor& dst, const Tensor& src);
+// A CPU f32 copy of t (t itself when it is one already): host-side reads of device results.
+Tensor to_host_f32(const Tensor& t);
 }  // namespace ndt::ops

@@ -3,6 +3,11 @@
 #include "parallel/pp/pipeline.h"
 #include "parallel/pp/schedule.h"
 
+#ifdef NDT_HAVE_NCCL
+#include "cuda/runtime.h"
+#include "dist/nccl_communicator.h"
+#endif
+
 namespace ndt {
 namespace {
 
@@ -34,10 +39,11 @@ Status validate_layout(const Config& cfg, int world_size) {
   const std::string layout = fmt::format("tp={} cp={} ep={} dp={} pp={}", p.tp, p.cp, p.ep, p.dp, p.pp);
   if (p.ep > 1) return Status::error("layout " + layout + ": expert parallelism is not available yet");
   if (p.cp > 1 && cfg.data.seq_len % (2 * p.cp) != 0)
-    return Status::error(fmt::format(
-        "context parallelism cuts each sequence into 2*cp = {} chunks: data.seq_len ({}) must be a multiple of "
-        "{} ({})",
-        2 * p.cp, cfg.data.seq_len, 2 * p.cp, layout));
+    return Status::error(
+        fmt::format("context parallelism cuts each sequence into 2*cp = {} chunks: data.seq_len ({}) must be "
+                    "a multiple of "
+                    "{} ({})",
+                    2 * p.cp, cfg.data.seq_len, 2 * p.cp, layout));
   if (p.virtual_stages > 1 && p.pp == 1)
     return Status::error(
         fmt::format("parallel.virtual_stages={} needs pp > 1 ({})", p.virtual_stages, layout));
@@ -58,9 +64,10 @@ Status validate_layout(const Config& cfg, int world_size) {
   }
   // Packed microbatches get tail padding for SP (data/packing.h); padded ones must divide as they are.
   if (p.sequence_parallel && !cfg.data.packing && (mbs * cfg.data.seq_len / p.cp) % p.tp != 0)
-    return Status::error(fmt::format(
-        "sequence parallel: micro_batch {} x seq_len {} tokens{} not divisible by tp={} (or use data.packing)",
-        mbs, cfg.data.seq_len, p.cp > 1 ? fmt::format(" / cp={}", p.cp) : "", p.tp));
+    return Status::error(
+        fmt::format("sequence parallel: micro_batch {} x seq_len {} tokens{} not divisible by tp={} (or use "
+                    "data.packing)",
+                    mbs, cfg.data.seq_len, p.cp > 1 ? fmt::format(" / cp={}", p.cp) : "", p.tp));
   return Status::ok();
 }
 
@@ -72,19 +79,40 @@ Result<std::unique_ptr<Layout>> Layout::create(const Config& cfg, Communicator& 
   std::unique_ptr<Layout> l(new Layout());
   l->world_ = &world;
   l->grid_ = std::move(grid).value();
+  if (cfg.train.device == "cuda") {
+#ifdef NDT_HAVE_NCCL
+    // One GPU per rank; every group that moves device buffers (activations, gradients, weights) gets an
+    // NCCL communicator, bootstrapped over the group's MPI communicator (collective, same order on all
+    // ranks).
+    const int dev = cuda::select_device(world.rank());
+    const std::vector<std::pair<std::string, std::vector<std::string>>> groups = {
+        {"dp", {"dp"}}, {"cp", {"cp"}}, {"grad", {"dp", "cp"}}, {"tp", {"tp"}}, {"pp", {"pp"}}};
+    for (const auto& [name, dims] : groups) {
+      Communicator& mpi = l->grid_->comm(std::vector<std::string>(dims.begin(), dims.end()));
+      l->device_comms_[name] = make_nccl_communicator(mpi, dev);
+    }
+#else
+    return Status::error("train.device is cuda but this ndtrain was built without NCCL");
+#endif
+  }
   if (cfg.parallel.tp > 1)
-    l->tp_hooks_ = std::make_unique<CommTpHooks>(l->grid_->comm({"tp"}), cfg.parallel.sequence_parallel);
+    l->tp_hooks_ = std::make_unique<CommTpHooks>(l->group("tp", {"tp"}), cfg.parallel.sequence_parallel);
   return l;
+}
+
+Communicator& Layout::group(const std::string& name, std::initializer_list<std::string> dims) {
+  auto it = device_comms_.find(name);
+  return it != device_comms_.end() ? *it->second : grid_->comm(std::vector<std::string>(dims));
 }
 
 RunComms Layout::comms() {
   RunComms c;
   c.world = world_;
-  c.dp = &grid_->comm({"dp"});
-  c.cp = &grid_->comm({"cp"});
-  c.grad = &grid_->comm({"dp", "cp"});
-  c.tp = &grid_->comm({"tp"});
-  c.pp = &grid_->comm({"pp"});
+  c.dp = &group("dp", {"dp"});
+  c.cp = &group("cp", {"cp"});
+  c.grad = &group("grad", {"dp", "cp"});
+  c.tp = &group("tp", {"tp"});
+  c.pp = &group("pp", {"pp"});
   c.tp_hooks = tp_hooks_.get();
   return c;
 }

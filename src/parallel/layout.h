@@ -2,7 +2,10 @@
 // Builds a run's parallel layout from the config: the Grid over the world communicator, the TP hooks
 // and the RunComms the trainer uses. Validation happens here, before any work starts, and names every
 // degree when something does not divide.
+#include <initializer_list>
+#include <map>
 #include <memory>
+#include <string>
 
 #include "dist/grid.h"
 #include "parallel/tp/comm_tp_hooks.h"
@@ -24,6 +27,9 @@ class Layout {
   Communicator* world_ = nullptr;
   std::unique_ptr<Grid> grid_;
   std::unique_ptr<CommTpHooks> tp_hooks_;
+  // train.device cuda: NCCL communicators over the grid's groups (host buffers still go over MPI).
+  std::map<std::string, std::unique_ptr<Communicator>> device_comms_;
+  Communicator& group(const std::string& name, std::initializer_list<std::string> dims);
 };
 
 // Checks the layout against the config without communicating (same messages as create()).

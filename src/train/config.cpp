@@ -134,6 +134,9 @@ const std::vector<KeyDef>& schema() {
       int_key("train.checkpoint_every", 0, kInf, t(&T::checkpoint_every)),
       int_key("train.keep_last", 0, kInf, t(&T::keep_last)),
       str_key("train.checkpoint_dir", {}, t(&T::checkpoint_dir)),
+      str_key("train.device", {"cpu", "cuda"}, t(&T::device)),
+      str_key("train.precision", {"auto", "fp32", "bf16"}, t(&T::precision)),
+      bool_key("train.recompute", t(&T::recompute)),
 
       int_key("parallel.tp", 1, 4096, p(&P::tp)),
       int_key("parallel.cp", 1, 4096, p(&P::cp)),
@@ -593,8 +596,9 @@ Status validate_config(const Config& c) {
   if (d.pack_tokens > 0 && !d.packing)
     return errf("data.pack_tokens ({}) is set but data.packing is false", d.pack_tokens);
   if (d.pack_tokens > 0 && d.pack_tokens < d.seq_len)
-    return errf("data.pack_tokens ({}) must be >= data.seq_len ({}): the longest sample must fit a microbatch",
-                d.pack_tokens, d.seq_len);
+    return errf(
+        "data.pack_tokens ({}) must be >= data.seq_len ({}): the longest sample must fit a microbatch",
+        d.pack_tokens, d.seq_len);
   if (d.tokenizer.empty())
     return errf("data.tokenizer must be 'byte' or a SentencePiece .model path, got ''");
 
@@ -605,6 +609,17 @@ Status validate_config(const Config& c) {
     return errf("train.warmup_steps ({}) must be <= train.steps ({})", t.warmup_steps, t.steps);
   if (t.global_batch < 1) return errf("train.global_batch must be >= 1, got {}", t.global_batch);
   if (t.micro_batch < 0) return errf("train.micro_batch must be >= 0, got {}", t.micro_batch);
+  if (t.device != "cpu" && t.device != "cuda")
+    return errf("train.device must be cpu or cuda, got '{}'", t.device);
+  if (t.precision != "auto" && t.precision != "fp32" && t.precision != "bf16")
+    return errf("train.precision must be auto, fp32 or bf16, got '{}'", t.precision);
+  if (t.device == "cpu" && t.precision == "bf16")
+    return errf("train.precision bf16 needs train.device cuda (the CPU engine computes in fp32)");
+#ifndef NDT_HAVE_CUDA
+  if (t.device == "cuda")
+    return errf(
+        "train.device is cuda but this ndtrain was built without the CUDA backend (no nvcc at build time)");
+#endif
 
   for (auto [name, v] : {std::pair{"tp", p.tp},
                          {"cp", p.cp},

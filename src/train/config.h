@@ -67,6 +67,13 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;          // save a checkpoint every N steps and at the end (0 = never)
   int64_t keep_last = 3;                 // checkpoints kept (0 = all)
   std::string checkpoint_dir;            // default: <out_dir>/checkpoints
+  std::string device = "cpu";            // "cpu" | "cuda" (the GPU of local rank % device count)
+  std::string precision = "auto";        // "auto" (bf16 on cuda, fp32 on cpu) | "fp32" | "bf16"
+  bool recompute = false;                // recompute each layer's forward during backward (less memory)
+  // precision with "auto" resolved.
+  std::string effective_precision() const {
+    return precision != "auto" ? precision : (device == "cuda" ? "bf16" : "fp32");
+  }
 };
 
 struct ParallelConfig {

@@ -6,7 +6,10 @@
 //   2. plain DP: all-reduce grads over DP (in buckets).     ZeRO-1: reduce-scatter grads over DP.
 //   3. global grad norm over all shards (TP-replicated params counted once), clip.
 //   4. AdamW on what this rank owns; ZeRO-1 all-gathers the updated parameters.
-// fp32 on CPU: the parameters are the master weights.
+// fp32 on CPU: the parameters are the master weights. On CUDA the store's flat fp32 buffers (values,
+// grads) and the moments live on the device; the update is one fused AdamW launch per run of parameters
+// with equal weight decay, which also applies the clip factor (so on CUDA the gradients themselves stay
+// unclipped) and refreshes the bf16 compute copy of the weights in mixed precision.
 #include <memory>
 
 #include "dist/communicator.h"
@@ -51,6 +54,10 @@ class Optimizer {
   Tensor m_, v_;                         // (own_end - own_begin)
   Tensor shard_grad_;                    // ZeRO-1: reduced grad of the owned range
   int64_t step_ = 0;
+  float grad_scale_ = 1.0f;  // CUDA: clip factor for the next step()
+#ifdef NDT_HAVE_CUDA
+  void step_device(double lr, float* g, float* w);
+#endif
 };
 
 }  // namespace ndt

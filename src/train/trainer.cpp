@@ -7,6 +7,10 @@
 #include "train/evaluate.h"
 #include "train/schedule.h"
 
+#ifdef NDT_HAVE_CUDA
+#include "cuda/runtime.h"
+#endif
+
 namespace ndt {
 
 Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const Dataset& train,
@@ -16,15 +20,27 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   for (Communicator** c : {&c_.world, &c_.dp, &c_.tp, &c_.pp, &c_.cp})
     if (!*c) *c = self_.get();
   if (!c_.grad) c_.grad = c_.dp;
-  NDT_CHECK(c_.grad->size() == c_.dp->size() * c_.cp->size(), "gradient group has {} ranks, dp x cp = {} x {}",
-            c_.grad->size(), c_.dp->size(), c_.cp->size());
+  NDT_CHECK(c_.grad->size() == c_.dp->size() * c_.cp->size(),
+            "gradient group has {} ranks, dp x cp = {} x {}", c_.grad->size(), c_.dp->size(), c_.cp->size());
   NDT_CHECK(tok_.vocab_size() <= cfg_.model.vocab_size,
             "tokenizer {} has {} tokens but model.vocab_size is {}", tok_.name(), tok_.vocab_size(),
             cfg_.model.vocab_size);
   engine_ = std::make_unique<PipelineEngine>(cfg_, *c_.pp, c_.tp_hooks, c_.cp);
-  pack_count_multiple_ = cfg_.parallel.virtual_stages > 1 ? c_.pp->size() : 1;  // interleaved needs m % p == 0
+  pack_count_multiple_ =
+      cfg_.parallel.virtual_stages > 1 ? c_.pp->size() : 1;  // interleaved needs m % p == 0
   engine_->params().flatten(c_.grad->size());
   engine_->params().init(static_cast<uint64_t>(cfg_.train.seed));
+  if (cfg_.train.device == "cuda") {
+#ifdef NDT_HAVE_CUDA
+    // Initialization ran on the host (layout- and device-independent); the store then moves as a whole.
+    cuda::select_device(c_.world->rank());
+    engine_->params().to_device(Device::CUDA,
+                                cfg_.train.effective_precision() == "bf16" ? DType::BF16 : DType::F32);
+#else
+    NDT_FAIL("train.device is cuda but this ndtrain was built without the CUDA backend");
+#endif
+  }
+  engine_->set_recompute(cfg_.train.recompute);
   OptimizerComms oc;
   oc.dp = c_.grad;
   oc.tp = c_.tp;
@@ -50,8 +66,9 @@ std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
   std::vector<Microbatch> out;
   if (!cfg_.data.packing) {  // every sample padded to seq_len, micro_batch samples per microbatch
     for (int64_t first = 0; first < per_rank; first += mbs)
-      out.push_back(make_microbatch({samples.begin() + first, samples.begin() + std::min(per_rank, first + mbs)},
-                                    cfg_.data.seq_len, tok_.pad_id()));
+      out.push_back(
+          make_microbatch({samples.begin() + first, samples.begin() + std::min(per_rank, first + mbs)},
+                          cfg_.data.seq_len, tok_.pad_id()));
     return out;
   }
   // Packed: the same samples, grouped by the packing policy under the token budget (data/packing.h).
@@ -91,7 +108,7 @@ StepStats Trainer::train_step(int64_t step) {
   }
   theory_bubble_ = engine_->theoretical_bubble(static_cast<int>(mbs.size()));
   engine_->sync_tied_grads();
-  c_.pp->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);  // only the last stage holds a loss
+  c_.pp->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);    // only the last stage holds a loss
   c_.grad->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);  // each CP rank holds its shard's part
   StepStats st;
   st.step = step;
@@ -101,6 +118,12 @@ StepStats Trainer::train_step(int64_t step) {
   st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);
   opt_->step(st.lr);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+#ifdef NDT_HAVE_CUDA
+  if (engine_->params().device() == Device::CUDA) {
+    st.peak_mem_gib = cuda::memory_stats().peak_allocated_gib;
+    c_.world->all_reduce(&st.peak_mem_gib, 1, DType::F64, ReduceOp::Max);
+  }
+#endif
   history_.push_back(st);
   return st;
 }

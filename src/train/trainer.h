@@ -4,6 +4,7 @@
 // step (DESIGN.md §1.2); warmup + cosine LR; AdamW (optionally ZeRO-1); global-norm clipping.
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,6 +39,7 @@ struct StepStats {
   double lr = 0;
   int64_t tokens = 0;  // loss-bearing tokens in the global batch
   double seconds = 0;
+  double peak_mem_gib = 0;  // train.device cuda: peak device memory of live tensors so far, max over ranks
 };
 
 struct EvalStats {
@@ -80,6 +82,7 @@ class Trainer {
   std::vector<Microbatch> local_microbatches(int64_t step) const;
   // Padding rules of this layout's packed microbatches (2·cp per sequence, tp·2·cp per stream under SP).
   PackLayout pack_layout_() const;
+  void copy_slices(const std::map<std::string, const Tensor*>& by_name);
   void gather_pipeline_params(std::vector<std::pair<std::string, Tensor>>& full, Communicator& pp);
   void report_pipeline(bool logger);
 

@@ -14,16 +14,20 @@ void Trainer::save_checkpoint(int64_t steps_done) {
   meta.step = steps_done;
   meta.optimizer_steps = opt_->steps_taken();
   meta.config_yaml = config_to_yaml(cfg_);
-  meta.layout =
-      fmt::format("tp={} cp={} dp={} pp={} virtual_stages={}{}", cfg_.parallel.tp, cfg_.parallel.cp,
-                  cfg_.parallel.dp, cfg_.parallel.pp, cfg_.parallel.virtual_stages, cfg_.parallel.zero1 ? " zero1" : "");
+  meta.layout = fmt::format("tp={} cp={} dp={} pp={} virtual_stages={}{}", cfg_.parallel.tp, cfg_.parallel.cp,
+                            cfg_.parallel.dp, cfg_.parallel.pp, cfg_.parallel.virtual_stages,
+                            cfg_.parallel.zero1 ? " zero1" : "");
   const std::string dir = cfg_.train.checkpoint_dir.empty()
                               ? (std::filesystem::path(cfg_.train.out_dir) / "checkpoints").string()
                               : cfg_.train.checkpoint_dir;
   // DP x CP replicas hold identical slices: rank 0 of that group at each (tp, pp) coordinate writes them.
-  ndt::save_checkpoint(dir, engine_->params(), full_m, full_v, meta, c_.grad->rank() == 0,
-                       static_cast<int>(cfg_.train.keep_last), *c_.world)
-      .throw_if_error();
+  engine_->params().with_host_values(
+      [&] {
+        ndt::save_checkpoint(dir, engine_->params(), full_m, full_v, meta, c_.grad->rank() == 0,
+                             static_cast<int>(cfg_.train.keep_last), *c_.world)
+            .throw_if_error();
+      },
+      /*write_back=*/false);
   if (c_.world->rank() == 0) {
     std::printf("saved checkpoint at step %lld to %s\n", static_cast<long long>(steps_done), dir.c_str());
     std::fflush(stdout);
@@ -41,7 +45,11 @@ void Trainer::resume(const std::string& dir) {
   }
   const int64_t n = engine_->params().flat_values().numel();
   Tensor full_m = Tensor::zeros({n}), full_v = Tensor::zeros({n});
-  if (st) st = load_checkpoint(step_dir.value(), engine_->params(), &full_m, &full_v);
+  engine_->params().with_host_values(
+      [&] {
+        if (st) st = load_checkpoint(step_dir.value(), engine_->params(), &full_m, &full_v);
+      },
+      /*write_back=*/true);
   // Every rank must agree before training continues (a missing shard on one rank stops all).
   if (Status all = agree(st, *c_.world); !all) throw AgreedError(all.message());
   opt_->scatter_moments(full_m, full_v);
@@ -57,6 +65,10 @@ void Trainer::resume(const std::string& dir) {
 void Trainer::load_weights(const std::vector<std::pair<std::string, Tensor>>& full) {
   std::map<std::string, const Tensor*> by_name;
   for (const auto& [name, t] : full) by_name[name] = &t;
+  engine_->params().with_host_values([&] { copy_slices(by_name); }, /*write_back=*/true);
+}
+
+void Trainer::copy_slices(const std::map<std::string, const Tensor*>& by_name) {
   for (auto& p : engine_->params().all()) {
     auto it = by_name.find(p->name);
     if (it == by_name.end()) NDT_FAIL("initial weights have no tensor '{}'", p->name);

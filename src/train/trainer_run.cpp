@@ -140,16 +140,21 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
                    {"grad_norm", st.grad_norm},
                    {"loss_tokens", st.tokens},
                    {"step_seconds", st.seconds},
+                   {"peak_mem_gib", st.peak_mem_gib},
                    {"elapsed_seconds", elapsed}})
           .throw_if_error();
       if (step % tc.log_every == 0 || step == tc.steps - 1) {
         const double done = static_cast<double>(step + 1 - start_step_);
         const double tps = tokens_per_step * done / elapsed;
         const double eta = elapsed / done * static_cast<double>(tc.steps - step - 1);
+        const std::string mem = st.peak_mem_gib > 0 ? fmt::format(" | mem {:.2f} GiB", st.peak_mem_gib) : "";
         std::printf(
-            "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | elapsed %s | eta %s\n",
+            "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | step %.1f ms%s | elapsed %s "
+            "| "
+            "eta %s\n",
             static_cast<long long>(step), static_cast<long long>(tc.steps), st.loss, st.lr, st.grad_norm,
-            format_count(tps).c_str(), format_duration(elapsed).c_str(), format_duration(eta).c_str());
+            format_count(tps).c_str(), st.seconds * 1e3, mem.c_str(), format_duration(elapsed).c_str(),
+            format_duration(eta).c_str());
         std::fflush(stdout);
       }
     }
@@ -171,8 +176,13 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
   log_eval(step);
 
   // Final weights (gathered over TP) and the loss curve; one writer.
-  auto full = gather_full_params(engine_->params(), *c_.tp);
-  gather_pipeline_params(full, *c_.pp);
+  std::vector<std::pair<std::string, Tensor>> full;
+  engine_->params().with_host_values(
+      [&] {
+        full = gather_full_params(engine_->params(), *c_.tp);
+        gather_pipeline_params(full, *c_.pp);
+      },
+      /*write_back=*/false);
   report_pipeline(logger);
   if (logger) {
     const std::filesystem::path dir(tc.out_dir);

@@ -10,7 +10,6 @@
 namespace ndt {
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kTagKv = 11;
 
 // Row i of the full (gathered, sequence-ordered) key set is row full_order[i] of the rank-major gather.
@@ -41,34 +40,12 @@ void full_key_meta(const Tensor& local_cu, int64_t cp, Tensor& cu_k, Tensor& pos
   pos_k = Tensor::from_vector(pos, {static_cast<int64_t>(pos.size())});
 }
 
-// (out, lse) <- log-sum-exp merge of (out, lse) and a partial (o, l) over a disjoint key set.
-void merge_partial(Tensor& out, Tensor& lse, const Tensor& o, const Tensor& l) {
-  const int64_t rows = lse.numel(), D = out.numel() / rows;
-  float* po = out.f32();
-  float* pl = lse.f32();
-  const float* qo = o.f32();
-  const float* ql = l.f32();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < rows; ++i) {
-    if (ql[i] == kNegInf) continue;
-    if (pl[i] == kNegInf) {
-      pl[i] = ql[i];
-      for (int64_t d = 0; d < D; ++d) po[i * D + d] = qo[i * D + d];
-      continue;
-    }
-    const float m = std::max(pl[i], ql[i]);
-    const float a = std::exp(pl[i] - m), b = std::exp(ql[i] - m), s = a + b;
-    for (int64_t d = 0; d < D; ++d) po[i * D + d] = (a * po[i * D + d] + b * qo[i * D + d]) / s;
-    pl[i] = m + std::log(s);
-  }
-}
-
 }  // namespace
 
 Tensor CpAttention::all_gather_rows(const Tensor& x) {
   Shape shape = x.shape();
   shape[0] *= cp_.size();
-  Tensor out = Tensor::empty(shape, x.dtype());
+  Tensor out = Tensor::empty(shape, x.dtype(), x.device());
   cp_.all_gather(x.data_ptr(), out.data_ptr(), x.numel(), x.dtype());
   return out;
 }
@@ -77,7 +54,7 @@ void CpAttention::ring_shift(std::initializer_list<Tensor*> blocks) {
   const int n = cp_.size(), r = cp_.rank();
   std::vector<Tensor> incoming;
   std::vector<P2POp> ops;
-  for (Tensor* b : blocks) incoming.push_back(Tensor::empty(b->shape(), b->dtype()));
+  for (Tensor* b : blocks) incoming.push_back(Tensor::empty(b->shape(), b->dtype(), b->device()));
   size_t i = 0;
   for (Tensor* b : blocks) {
     ops.push_back({P2POp::Send, b->data_ptr(), b->numel(), b->dtype(), (r + 1) % n, kTagKv});
@@ -104,7 +81,8 @@ void CpAttention::attention_forward(const Microbatch& mb, const Tensor& q, const
     return;
   }
   Tensor kb = k.clone(), vb = v.clone();
-  Tensor o = Tensor::empty(out.shape()), l = Tensor::empty(lse.shape());
+  Tensor o = Tensor::empty(out.shape(), out.dtype(), out.device()),
+         l = Tensor::empty(lse.shape(), DType::F32, lse.device());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t owner = (r - i + n) % n;
     const std::vector<int32_t> p = cp_positions(mb.cu_seqlens, n, owner);
@@ -112,7 +90,7 @@ void CpAttention::attention_forward(const Microbatch& mb, const Tensor& q, const
     Tensor& dst_o = i == 0 ? out : o;
     Tensor& dst_l = i == 0 ? lse : l;
     ops::attention_forward(dst_o, dst_l, q, kb, vb, mb.cu_seqlens, mb.cu_seqlens, mb.positions, pos_k, scale);
-    if (i > 0) merge_partial(out, lse, o, l);
+    if (i > 0) ops::attention_merge(out, lse, o, l);
     if (i + 1 < n) ring_shift({&kb, &vb});
   }
 }
@@ -126,21 +104,23 @@ void CpAttention::attention_backward(const Microbatch& mb, const Tensor& dout, c
     Tensor kf = ops::gather_rows(all_gather_rows(k), order), vf = ops::gather_rows(all_gather_rows(v), order);
     Tensor cu_k, pos_k;
     full_key_meta(mb.cu_seqlens, n, cu_k, pos_k);
-    Tensor dkf = Tensor::zeros(kf.shape()), dvf = Tensor::zeros(vf.shape());
+    Tensor dkf = Tensor::zeros(kf.shape(), kf.dtype(), kf.device()),
+           dvf = Tensor::zeros(vf.shape(), vf.dtype(), vf.device());
     ops::attention_backward(dq, dkf, dvf, dout, q, kf, vf, out, lse, mb.cu_seqlens, cu_k, mb.positions, pos_k,
                             scale);
     // Back to rank-major order, then each owner receives the sum of every rank's contribution.
     for (auto [full, local] : {std::pair<Tensor*, Tensor*>{&dkf, &dk}, {&dvf, &dv}}) {
       Shape gshape = full->shape();
-      Tensor g = Tensor::zeros(gshape);
+      Tensor g = Tensor::zeros(gshape, full->dtype(), full->device());
       ops::scatter_add_rows(g, *full, order);
-      Tensor mine = Tensor::empty(local->shape());
-      cp_.reduce_scatter(g.data_ptr(), mine.data_ptr(), mine.numel(), DType::F32, ReduceOp::Sum);
+      Tensor mine = Tensor::empty(local->shape(), local->dtype(), local->device());
+      cp_.reduce_scatter(g.data_ptr(), mine.data_ptr(), mine.numel(), mine.dtype(), ReduceOp::Sum);
       ops::add_(*local, mine);
     }
     return;
   }
-  Tensor kb = k.clone(), vb = v.clone(), dkb = Tensor::zeros(k.shape()), dvb = Tensor::zeros(v.shape());
+  Tensor kb = k.clone(), vb = v.clone(), dkb = Tensor::zeros(k.shape(), k.dtype(), k.device()),
+         dvb = Tensor::zeros(v.shape(), v.dtype(), v.device());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t owner = (r - i + n) % n;
     const std::vector<int32_t> p = cp_positions(mb.cu_seqlens, n, owner);

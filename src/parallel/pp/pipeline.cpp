@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdlib>
 
+#include "ops/ops.h"
 #include "parallel/cp/cp_shard.h"
 
 namespace ndt {
@@ -70,8 +71,9 @@ PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp,
     chunks_.push_back(std::make_unique<Transformer>(cfg_.model, spec, tp_, &store_));
   }
   if (cp_) {
-    cp_attention_ = std::make_unique<CpAttention>(
-        *cp_, cfg_.parallel.cp_attention == "allgather" ? CpAttention::Mode::AllGather : CpAttention::Mode::Ring);
+    cp_attention_ = std::make_unique<CpAttention>(*cp_, cfg_.parallel.cp_attention == "allgather"
+                                                            ? CpAttention::Mode::AllGather
+                                                            : CpAttention::Mode::Ring);
     for (auto& c : chunks_) c->set_cp(cp_attention_.get());
   }
   const bool tied = cfg_.model.tied() && p_ > 1;
@@ -91,6 +93,10 @@ int64_t PipelineEngine::local_tokens(const Microbatch& mb) const {
   return (tp_ && tp_->sequence_parallel()) ? T / tp_->size() : T;
 }
 
+Tensor PipelineEngine::act_buffer(int64_t rows) const {
+  return Tensor::empty({rows, cfg_.model.d_model}, store_.compute_dtype(), store_.device());
+}
+
 double PipelineEngine::theoretical_bubble(int m) const {
   return pp::theoretical_bubble(v_ > 1 ? "interleaved" : cfg_.parallel.schedule, p_, v_, m);
 }
@@ -104,7 +110,6 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
   auto sched = pp::make_schedule(kind, p_, v_, m);
   sched.status().throw_if_error();
   const std::vector<pp::PpAction>& actions = sched.value()[static_cast<size_t>(rank_)];
-  const int64_t C = cfg_.model.d_model;
 
   using Key = std::pair<int, int>;  // (microbatch, chunk)
   std::map<Key, Activations> acts;
@@ -119,9 +124,9 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
       case pp::PpAction::SendGrad:
         return dx_out.at(k);
       case pp::PpAction::RecvAct:
-        return x_in[k] = Tensor::empty({local_tokens(mbs[a.microbatch]), C});
+        return x_in[k] = act_buffer(local_tokens(mbs[a.microbatch]));
       default:
-        return dy_in[k] = Tensor::empty({local_tokens(mbs[a.microbatch]), C});
+        return dy_in[k] = act_buffer(local_tokens(mbs[a.microbatch]));
     }
   };
   auto record = [&](const pp::PpAction& a, double start) {
@@ -163,8 +168,8 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
       const pp::PpAction& c = actions[q];
       Tensor& buf = buffer_for(c);
       const bool act = c.kind == pp::PpAction::SendAct || c.kind == pp::PpAction::RecvAct;
-      ops.push_back({c.is_send() ? P2POp::Send : P2POp::Recv, buf.data_ptr(), buf.numel(), DType::F32, c.peer,
-                     act ? kTagAct : kTagGrad});
+      ops.push_back({c.is_send() ? P2POp::Send : P2POp::Recv, buf.data_ptr(), buf.numel(), buf.dtype(),
+                     c.peer, act ? kTagAct : kTagGrad});
       if (c.kind == pp::PpAction::SendGrad) sent_grads.push_back({c.microbatch, c.chunk});
     }
     pp_.batch_p2p(ops);
@@ -183,15 +188,14 @@ void PipelineEngine::sync_tied_grads() {
 
 bool PipelineEngine::forward_only(const Microbatch& mb, Activations& last_acts, int* last_chunk) {
   const int S = p_ * v_;
-  const int64_t C = cfg_.model.d_model;
   Tensor x;
   bool have_last = false;
   for (int s = 0; s < S; ++s) {
     const int owner = s % p_, c = s / p_;
     if (owner != rank_) continue;
     if (s > 0 && (s - 1) % p_ != rank_) {
-      x = Tensor::empty({local_tokens(mb), C});
-      pp_.recv(x.data_ptr(), x.numel(), DType::F32, (s - 1) % p_, kTagAct);
+      x = act_buffer(local_tokens(mb));
+      pp_.recv(x.data_ptr(), x.numel(), x.dtype(), (s - 1) % p_, kTagAct);
     }
     Activations acts;
     x = chunks_[static_cast<size_t>(c)]->forward(mb, x, acts);
@@ -200,7 +204,7 @@ bool PipelineEngine::forward_only(const Microbatch& mb, Activations& last_acts, 
       *last_chunk = c;
       have_last = true;
     } else if ((s + 1) % p_ != rank_) {
-      pp_.send(x.data_ptr(), x.numel(), DType::F32, (s + 1) % p_, kTagAct);
+      pp_.send(x.data_ptr(), x.numel(), x.dtype(), (s + 1) % p_, kTagAct);
     }
   }
   return have_last;
@@ -265,9 +269,10 @@ PipelineEngine::Scores PipelineEngine::scores(const Microbatch& full, int64_t k)
     std::vector<float> val;
     std::vector<int32_t> id;
     chunks_[static_cast<size_t>(c)]->topk_rows(acts, k, val, id);
+    const Tensor logprob = ops::to_host_f32(acts.logprob);
     for (int64_t t = 0; t < Tl; ++t) {
       const auto g = static_cast<size_t>(rows[static_cast<size_t>(t)]);
-      sc.logprob[g] = acts.logprob.f32()[t];
+      sc.logprob[g] = logprob.f32()[t];
       for (int64_t j = 0; j < k; ++j) {
         sc.topk_value[g * k + j] = val[static_cast<size_t>(t * k + j)];
         ids[g * k + j] = static_cast<float>(id[static_cast<size_t>(t * k + j)]);

@@ -32,6 +32,9 @@ class PipelineEngine {
   ParamStore& params() { return store_; }
   Transformer& chunk(int c) { return *chunks_.at(static_cast<size_t>(c)); }
   int num_chunks() const { return static_cast<int>(chunks_.size()); }
+  void set_recompute(bool on) {
+    for (auto& c : chunks_) c->set_recompute(on);
+  }
 
   // Forward and backward of all microbatches by the schedule; gradients accumulate into params().
   // Returns this rank's part of the loss sum (last stage only; 0 elsewhere). Appends per-action
@@ -63,6 +66,8 @@ class PipelineEngine {
   int stage_of(int chunk) const { return chunk * p_ + rank_; }
   bool is_last(int chunk) const { return stage_of(chunk) == p_ * v_ - 1; }
   int64_t local_tokens(const Microbatch& mb) const;
+  // A (rows, d_model) buffer for stage activations, on the store's device in its compute dtype.
+  Tensor act_buffer(int64_t rows) const;
   // This CP rank's shard of a full microbatch (the microbatch itself without CP).
   Microbatch shard(const Microbatch& full) const;
   // Runs the stages in order with blocking send/recv; returns the last chunk's activations on the

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Multi-GPU parity: `ndtrain verify` of each layout against the single-GPU run (train.device=cuda,
+# fp32, one GPU per rank, NCCL). Same rule as the CPU parity rows (tests/parity/CMakeLists.txt): loss and
+# grad norm within 1e-5 relative per step, weights after 5 steps within 1e-4 of ||w_ref||_inf, logprobs
+# within 1e-4. The tiny configs get head dim 64 (the flash-attention kernels take 64 or 128).
+# Rows needing more GPUs than this machine has are listed as not run; no GPU at all: exit 77 (skip).
+# Usage: gpu_parity.sh NDTRAIN [MPIRUN]
+set -uo pipefail
+ndtrain=${1:?usage: gpu_parity.sh NDTRAIN [MPIRUN]}
+mpirun=${2:-mpirun}
+src=$(cd "$(dirname "$0")/../.." && pwd)
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [[ ${gpus:-0} -lt 1 ]]; then
+  echo "gpu_parity: no CUDA device on this machine: skipped"
+  exit 77
+fi
+base=(model.d_model=256 model.n_heads=4 model.max_seq_len=64 data.seq_len=64 train.device=cuda
+      train.precision=fp32 train.adam_eps=1e-6)
+packed=(data.packing=true data.min_seq_len=3)
+#   name                 ranks  overrides
+rows=(
+  "dp2                   2      parallel.dp=2"
+  "dp2_zero1             2      parallel.dp=2 parallel.zero1=true"
+  "tp2                   2      parallel.tp=2"
+  "tp2_sp                2      parallel.tp=2 parallel.sequence_parallel=true"
+  "pp2                   2      parallel.pp=2 train.micro_batch=2"
+  "pp2_v2                2      parallel.pp=2 parallel.virtual_stages=2 parallel.schedule=interleaved model.n_layers=4 train.micro_batch=2"
+  "cp2                   2      parallel.cp=2"
+  "cp2_allgather         2      parallel.cp=2 parallel.cp_attention=allgather"
+  "packed                1      ${packed[*]}"
+  "cp2_packed            2      parallel.cp=2 ${packed[*]}"
+  "tp2_sp_packed         2      parallel.tp=2 parallel.sequence_parallel=true ${packed[*]}"
+  "pp2_packed            2      parallel.pp=2 train.micro_batch=2 ${packed[*]}"
+  "dp2_zero1_packed      2      parallel.dp=2 parallel.zero1=true ${packed[*]}"
+  "dp2_tp2               4      parallel.dp=2 parallel.tp=2"
+  "tp2_cp2_packed        4      parallel.tp=2 parallel.cp=2 ${packed[*]}"
+  "pp2_cp2_packed        4      parallel.pp=2 parallel.cp=2 train.micro_batch=2 ${packed[*]}"
+  "pp4_v2_packed         4      parallel.pp=4 parallel.virtual_stages=2 parallel.schedule=interleaved model.n_layers=8 train.micro_batch=2 ${packed[*]}"
+  "pp2_tp2_cp2_packed    8      parallel.pp=2 parallel.tp=2 parallel.cp=2 train.micro_batch=2 ${packed[*]}"
+)
+pass=0 fail=0 skipped=()
+for style in llama gpt2; do
+  for row in "${rows[@]}"; do
+    read -r name np sets <<<"$row"
+    if ((np > gpus)); then
+      skipped+=("${style}_${name}(${np})")
+      continue
+    fi
+    log=$(mktemp)
+    # shellcheck disable=SC2086
+    "$mpirun" --allow-run-as-root --oversubscribe -np "$np" "$ndtrain" verify --config "$src/configs/tiny-$style.yaml" \
+      --steps 5 --set "${base[@]}" $sets >"$log" 2>&1
+    if grep -q "verify: PASS" "$log" && ! grep -q "FAIL" "$log"; then
+      pass=$((pass + 1))
+      echo "PASS ${style}_${name} ($np GPUs): $(grep -m1 -o 'max ||w - w_ref||_inf / ||w_ref||_inf = [0-9.e+-]*' "$log")"
+    else
+      fail=$((fail + 1))
+      echo "FAIL ${style}_${name} ($np GPUs):"
+      tail -25 "$log"
+    fi
+    rm -f "$log"
+  done
+done
+echo "gpu_parity: $pass passed, $fail failed on $gpus GPU(s); not run (GPUs needed): ${skipped[*]:-none}"
+((fail == 0))
