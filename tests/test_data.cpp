@@ -82,6 +82,21 @@ TEST(DataTokenizer, ByteRoundTripAndSpecials) {
   EXPECT_EQ(t2.value()->name(), "byte");
 }
 
+TEST(DataTokenizer, PreTokenizedIds) {
+  auto tok = make_tokenizer("ids:50257").value();
+  EXPECT_EQ(tok->vocab_size(), 50257);
+  EXPECT_EQ(tok->eos_id(), 50256);
+  EXPECT_EQ(tok->encode(" 15496 11  995 "), (std::vector<int32_t>{15496, 11, 995}));
+  EXPECT_EQ(tok->decode({15496, 11, 50256, 995}), "15496 11 995");
+  EXPECT_THROW(tok->encode("12 50257"), Error);
+  EXPECT_THROW(tok->encode("12 x"), Error);
+  for (const char* bad : {"ids:", "ids:1", "ids:12x", "ids:-5"}) {
+    auto r = make_tokenizer(bad);
+    ASSERT_FALSE(r) << bad;
+    EXPECT_NE(r.status().message().find("ids:N"), std::string::npos) << r.status().message();
+  }
+}
+
 TEST(DataTokenizer, MissingModelNamesFile) {
   auto r = make_tokenizer("/nonexistent/dir/tok.model");
   ASSERT_FALSE(r.is_ok());

@@ -2,6 +2,7 @@
 #include "apps/setup.h"
 #include "parallel/layout.h"
 #include "train/hf_interop.h"
+#include "train/safetensors.h"
 #include "train/trainer.h"
 
 namespace ndt::app {
@@ -18,10 +19,14 @@ Runner add_train(CLI::App& app) {
   cmd->add_option(
       "--init-hf", *init_hf,
       "Fine-tune from a Hugging Face Llama directory (its config.json replaces the model section)");
+  auto init = std::make_shared<std::string>();
+  cmd->add_option("--init", *init,
+                  "Start from these weights: a model.safetensors of full tensors named as ndtrain names them "
+                  "(written by a run, or by another framework for a like-for-like comparison)");
   cmd->add_option("--resume", *resume, "Continue from a checkpoint directory (any layout can load it)");
   cmd->add_option("--trace", *trace,
                   "Write a Chrome trace (JSON) of steps 1-3: forward/backward/send/recv per rank");
-  return [config, sets, trace, resume, init_hf](Communicator& world) {
+  return [config, sets, trace, resume, init_hf, init_path = init](Communicator& world) {
     RunSetup s = load_run(world, *config, *sets);
     std::vector<std::pair<std::string, Tensor>> init;
     if (!init_hf->empty()) {
@@ -35,6 +40,12 @@ Runner add_train(CLI::App& app) {
     auto layout = Layout::create(s.cfg, world);
     agree_or_throw(layout.status(), world);
     Trainer trainer(s.cfg, layout.value()->comms(), *s.tok, *s.train, s.val.get());
+    if (!init_path->empty()) {
+      NDT_CHECK(init.empty(), "--init and --init-hf both name initial weights: give one");
+      auto file = open_safetensors(*init_path);
+      agree_or_throw(file.status(), world);
+      for (const auto& name : file.value().names()) init.emplace_back(name, file.value().read(name));
+    }
     if (!init.empty()) trainer.load_weights(init);
     if (!trace->empty()) trainer.set_trace(*trace);
     if (!resume->empty()) trainer.resume(*resume);

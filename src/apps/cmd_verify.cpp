@@ -145,8 +145,8 @@ Runner add_verify(CLI::App& app) {
     {
       std::vector<Sample> samples;
       for (int64_t j = 0; j < s.cfg.train.global_batch; ++j)
-        samples.push_back(
-            s.train->get(sample_index(s.cfg.data.seed, 0, j, s.cfg.train.global_batch, s.train->size())));
+        samples.push_back(s.train->get(sample_index(s.cfg.data.seed, 0, j, s.cfg.train.global_batch,
+                                                    s.train->size(), s.cfg.data.shuffle)));
       constexpr int64_t kTop = 4;
       const auto a = ref.score(samples, kTop), b = par.score(samples, kTop);
       double lp_diff = 0, top_diff = 0;

@@ -70,12 +70,14 @@ uint64_t feistel(uint64_t x, int half, uint64_t seed, uint64_t epoch) {
 
 }  // namespace
 
-int64_t sample_index(int64_t data_seed, int64_t step, int64_t j, int64_t global_batch, int64_t dataset_size) {
+int64_t sample_index(int64_t data_seed, int64_t step, int64_t j, int64_t global_batch, int64_t dataset_size,
+                     bool shuffle) {
   NDT_CHECK(step >= 0 && j >= 0 && j < global_batch, "sample_index: step {} j {} global_batch {}", step, j,
             global_batch);
   const int64_t g = step * global_batch + j;  // global sample counter of the run
   if (dataset_size < 0) return g;
   NDT_CHECK(dataset_size > 0, "sample_index: empty dataset");
+  if (!shuffle) return g % dataset_size;
   const uint64_t n = static_cast<uint64_t>(dataset_size);
   const uint64_t epoch = static_cast<uint64_t>(g) / n;
   uint64_t x = static_cast<uint64_t>(g) % n;

@@ -54,6 +54,8 @@ Microbatch make_microbatch(const std::vector<Sample>& samples, int64_t seq_len, 
 
 // Index of the j-th sample of step `step` in a global batch of `global_batch`: for unbounded datasets
 // step * global_batch + j; for finite ones an epoch-wise Philox-keyed permutation of [0, size).
-int64_t sample_index(int64_t data_seed, int64_t step, int64_t j, int64_t global_batch, int64_t dataset_size);
+// shuffle = false: (step * global_batch + j) mod dataset_size (file order).
+int64_t sample_index(int64_t data_seed, int64_t step, int64_t j, int64_t global_batch, int64_t dataset_size,
+                     bool shuffle = true);
 
 }  // namespace ndt

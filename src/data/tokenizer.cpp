@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 #include <sentencepiece_processor.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <sstream>
 
 namespace ndt {
 
@@ -95,8 +97,54 @@ Result<std::unique_ptr<Tokenizer>> load_sentencepiece_tokenizer(const std::strin
   return std::unique_ptr<Tokenizer>(std::move(tok));
 }
 
+namespace {
+
+class IdTokenizer : public Tokenizer {
+ public:
+  explicit IdTokenizer(int64_t n) : n_(n) {}
+  std::vector<int32_t> encode(const std::string& text) const override {
+    std::vector<int32_t> ids;
+    std::istringstream in(text);
+    std::string word;
+    while (in >> word) {
+      char* end = nullptr;
+      const long long id = std::strtoll(word.c_str(), &end, 10);
+      NDT_CHECK(*end == '\0' && id >= 0 && id < n_, "tokenizer ids:{}: '{}' is not an id in [0, {})", n_,
+                word, n_);
+      ids.push_back(static_cast<int32_t>(id));
+    }
+    return ids;
+  }
+  std::string decode(const std::vector<int32_t>& ids) const override {
+    std::string out;
+    for (int32_t id : ids)
+      if (id != eos_id()) out += (out.empty() ? "" : " ") + std::to_string(id);
+    return out;
+  }
+  int64_t vocab_size() const override { return n_; }
+  int32_t bos_id() const override { return static_cast<int32_t>(n_ - 1); }
+  int32_t eos_id() const override { return static_cast<int32_t>(n_ - 1); }
+  int32_t pad_id() const override { return static_cast<int32_t>(n_ - 1); }
+  std::string name() const override { return "ids:" + std::to_string(n_); }
+
+ private:
+  int64_t n_;
+};
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> make_id_tokenizer(int64_t n) { return std::make_unique<IdTokenizer>(n); }
+
 Result<std::unique_ptr<Tokenizer>> make_tokenizer(const std::string& spec) {
   if (spec == "byte") return make_byte_tokenizer();
+  if (spec.rfind("ids:", 0) == 0) {
+    char* end = nullptr;
+    const long long n = std::strtoll(spec.c_str() + 4, &end, 10);
+    if (spec.size() == 4 || *end != '\0' || n < 2 || n > (1LL << 31) - 1)
+      return Status::error(
+          fmt::format("tokenizer '{}': expected ids:N with N an integer in [2, 2^31)", spec));
+    return std::unique_ptr<Tokenizer>(make_id_tokenizer(n));
+  }
   std::error_code ec;
   if (!std::filesystem::is_regular_file(spec, ec))
     return Status::error(

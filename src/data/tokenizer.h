@@ -25,7 +25,10 @@ class Tokenizer {
 std::unique_ptr<Tokenizer> make_byte_tokenizer();
 // Loads a SentencePiece model; the error names the file.
 Result<std::unique_ptr<Tokenizer>> load_sentencepiece_tokenizer(const std::string& model_path);
-// "byte" or a path to a .model file.
+// Pre-tokenized data (token shards written by another tokenizer, e.g. GPT-2's): ids 0..n-1; BOS = EOS =
+// PAD = n - 1 (GPT-2's <|endoftext|> for n = 50257). Text is whitespace-separated decimal ids both ways.
+std::unique_ptr<Tokenizer> make_id_tokenizer(int64_t n);
+// "byte", "ids:N" (make_id_tokenizer) or a path to a .model file.
 Result<std::unique_ptr<Tokenizer>> make_tokenizer(const std::string& spec);
 
 }  // namespace ndt

@@ -315,6 +315,7 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
     }
     dx = layer_backward(l, mb, dx, a);
     a = LayerActs();  // this layer's activations are dead: free them before the next layer's backward
+    if (layer_done_) layer_done_(l);
   }
   if (!stage_.has_embedding) return dx;
   if (cfg_.is_gpt2()) {

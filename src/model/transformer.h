@@ -6,6 +6,7 @@
 //
 // Data layout is THD: all sequences of a microbatch end to end, T tokens, with cu_seqlens.
 // Under sequence parallelism the residual stream holds this rank's Tl = T/tp tokens; otherwise Tl = T.
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -61,6 +62,9 @@ class Transformer {
   // Activation recomputation: forward keeps only each layer's input; backward reruns the layer's forward
   // before its backward (same values, so the same gradients) for less activation memory.
   void set_recompute(bool on) { recompute_ = on; }
+  // Called by backward() with each layer index once that layer's backward has been enqueued (its
+  // parameter gradients are then complete for this microbatch); null = none.
+  void set_layer_done_hook(std::function<void(int64_t)> hook) { layer_done_ = std::move(hook); }
   const ModelConfig& config() const { return cfg_; }
   const StageSpec& stage() const { return stage_; }
   int64_t local_vocab() const { return vocab_local_; }
@@ -108,6 +112,7 @@ class Transformer {
   TpHooks* tp_;
   CpHooks* cp_ = nullptr;
   bool recompute_ = false;
+  std::function<void(int64_t)> layer_done_;
   ParamStore own_params_;
   ParamStore* ps_;
   int64_t heads_local_, kv_local_, ffn_local_, vocab_local_, vocab_start_;

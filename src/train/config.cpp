@@ -112,6 +112,7 @@ const std::vector<KeyDef>& schema() {
       int_key("data.seed", 0, kInf, d(&D::seed)),
       int_key("data.min_seq_len", 0, 1 << 24, d(&D::min_seq_len)),
       bool_key("data.packing", d(&D::packing)),
+      bool_key("data.shuffle", d(&D::shuffle)),
       int_key("data.pack_tokens", 0, kInf, d(&D::pack_tokens)),
 
       int_key("train.seed", 0, kInf, t(&T::seed)),

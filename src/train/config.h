@@ -45,6 +45,9 @@ struct DataConfig {
   // Sequence packing (THD): samples laid end to end with cu_seqlens instead of each padded to seq_len,
   // grouped into microbatches under a token budget (docs/data.md: the packing policy).
   bool packing = false;
+  // Finite datasets: false = read samples in file order (sample j of step s is (s * global_batch + j) mod
+  // size), e.g. to feed another framework the same batches; true = the epoch-wise permutation.
+  bool shuffle = true;
   int64_t pack_tokens = 0;  // token budget per microbatch; 0 = micro_batch * seq_len
 };
 

@@ -5,6 +5,9 @@
 
 #include "ops/cpu_ops.h"
 
+#ifdef NDT_HAVE_NCCL
+#include "dist/nccl_communicator.h"
+#endif
 #ifdef NDT_HAVE_CUDA
 #include "cuda/cuda_ops.h"
 #include "cuda/runtime.h"
@@ -37,10 +40,30 @@ Optimizer::Optimizer(ParamStore& params, const TrainConfig& cfg, OptimizerComms 
   v_ = Tensor::zeros({own_end_ - own_begin_}, DType::F32, params_.device());
 }
 
+bool Optimizer::overlaps_reduction() const {
+#ifdef NDT_HAVE_NCCL
+  return params_.device() == Device::CUDA && active(c_.dp) && !c_.zero1 && as_nccl(c_.dp) != nullptr;
+#else
+  return false;
+#endif
+}
+
+void Optimizer::reduce_early(int64_t begin, int64_t end) {
+  NDT_CHECK(overlaps_reduction() && begin >= 0 && begin < end && end <= params_.flat_grads().numel(),
+            "reduce_early [{}, {}): needs plain DP over NCCL and a range of the flat buffer", begin, end);
+#ifdef NDT_HAVE_NCCL
+  std::shared_ptr<CommHandle> h = as_nccl(c_.dp)->all_reduce_async(params_.flat_grads().f32() + begin,
+                                                                   end - begin, DType::F32, ReduceOp::Sum);
+  early_ranges_.emplace_back(begin, end);
+  early_waits_.push_back([h] { h->wait(); });
+#endif
+}
+
 double Optimizer::reduce_and_clip(double clip) {
   Tensor& flat = params_.flat_grads();
   const int64_t n = flat.numel();
   const bool tp_active = active(c_.tp);
+  for (auto& wait : early_waits_) wait();  // DP reductions started under backward (reduce_early)
   if (c_.sequence_parallel && tp_active) {
     for (auto& p : params_.all())
       if (p->tp_replicated) c_.tp->all_reduce(p->grad.data_ptr(), p->numel(), DType::F32, ReduceOp::Sum);
@@ -52,9 +75,20 @@ double Optimizer::reduce_and_clip(double clip) {
       c_.dp->reduce_scatter(flat.f32(), shard_grad_.f32(), n / c_.dp->size(), DType::F32, ReduceOp::Sum);
       g = shard_grad_.f32();
     } else {
-      for (int64_t b = 0; b < n; b += kBucketElems)
-        c_.dp->all_reduce(flat.f32() + b, std::min(kBucketElems, n - b), DType::F32, ReduceOp::Sum);
+      std::sort(early_ranges_.begin(), early_ranges_.end());
+      auto reduce = [&](int64_t b, int64_t e) {
+        for (; b < e; b += kBucketElems)
+          c_.dp->all_reduce(flat.f32() + b, std::min(kBucketElems, e - b), DType::F32, ReduceOp::Sum);
+      };
+      int64_t done = 0;  // the ranges between the early ones (embeddings, final norm, head, padding)
+      for (const auto& [b, e] : early_ranges_) {
+        reduce(done, b);
+        done = e;
+      }
+      reduce(done, n);
     }
+    early_ranges_.clear();
+    early_waits_.clear();
   }
   // Sum of squares: elements of TP-replicated params count on TP rank 0 only.
   double ss = 0;

@@ -10,7 +10,10 @@
 // grads) and the moments live on the device; the update is one fused AdamW launch per run of parameters
 // with equal weight decay, which also applies the clip factor (so on CUDA the gradients themselves stay
 // unclipped) and refreshes the bf16 compute copy of the weights in mixed precision.
+#include <functional>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "dist/communicator.h"
 #include "model/params.h"
@@ -32,6 +35,11 @@ class Optimizer {
   Optimizer(ParamStore& params, const TrainConfig& cfg, OptimizerComms comms);
   // Steps 1-3 above; returns the global gradient norm before clipping.
   double reduce_and_clip(double clip);
+  // Overlap of the DP reduction with backward (CUDA, NCCL, plain DP without ZeRO-1): reduce_early starts
+  // the all-reduce of flat grads [begin, end) at once, on the communicator's stream, ordered after the
+  // backward kernels enqueued so far; reduce_and_clip waits for those and reduces only the rest.
+  bool overlaps_reduction() const;
+  void reduce_early(int64_t begin, int64_t end);
   // Step 4 with learning rate lr.
   void step(double lr);
   int64_t steps_taken() const { return step_; }
@@ -54,7 +62,9 @@ class Optimizer {
   Tensor m_, v_;                         // (own_end - own_begin)
   Tensor shard_grad_;                    // ZeRO-1: reduced grad of the owned range
   int64_t step_ = 0;
-  float grad_scale_ = 1.0f;  // CUDA: clip factor for the next step()
+  float grad_scale_ = 1.0f;                                // CUDA: clip factor for the next step()
+  std::vector<std::pair<int64_t, int64_t>> early_ranges_;  // reduce_early ranges of this step
+  std::vector<std::function<void()>> early_waits_;         // their completion (compute stream waits)
 #ifdef NDT_HAVE_CUDA
   void step_device(double lr, float* g, float* w);
 #endif

@@ -48,6 +48,10 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   oc.sequence_parallel = cfg_.parallel.sequence_parallel;
   oc.zero1 = cfg_.parallel.zero1;
   opt_ = std::make_unique<Optimizer>(engine_->params(), cfg_.train, oc);
+  // On GPUs each layer's DP all-reduce starts as soon as its gradients are final, under the backward
+  // of the layers before it.
+  if (opt_->overlaps_reduction())
+    engine_->set_grads_ready_hook([this](int64_t b, int64_t e) { opt_->reduce_early(b, e); });
 }
 
 PackLayout Trainer::pack_layout_() const {
@@ -61,7 +65,8 @@ std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
   std::vector<Sample> samples;
   for (int64_t i = 0; i < per_rank; ++i) {
     const int64_t j = c_.dp->rank() * per_rank + i;  // position in the global batch
-    samples.push_back(train_.get(sample_index(cfg_.data.seed, step, j, gb, train_.size())));
+    samples.push_back(
+        train_.get(sample_index(cfg_.data.seed, step, j, gb, train_.size(), cfg_.data.shuffle)));
   }
   std::vector<Microbatch> out;
   if (!cfg_.data.packing) {  // every sample padded to seq_len, micro_batch samples per microbatch

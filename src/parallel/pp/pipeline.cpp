@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <limits>
 
 #include "ops/ops.h"
 #include "parallel/cp/cp_shard.h"
@@ -97,6 +98,21 @@ Tensor PipelineEngine::act_buffer(int64_t rows) const {
   return Tensor::empty({rows, cfg_.model.d_model}, store_.compute_dtype(), store_.device());
 }
 
+std::pair<int64_t, int64_t> PipelineEngine::layer_range(int64_t l) {
+  if (auto it = layer_ranges_.find(l); it != layer_ranges_.end()) return it->second;
+  const std::string prefix = fmt::format("layers.{}.", l);
+  int64_t b = std::numeric_limits<int64_t>::max(), e = 0, n = 0;
+  for (const auto& p : store_.all()) {
+    if (p->name.rfind(prefix, 0) != 0) continue;
+    b = std::min(b, store_.offset_of(*p));
+    e = std::max(e, store_.offset_of(*p) + p->numel());
+    n += p->numel();
+  }
+  const std::pair<int64_t, int64_t> r =
+      n > 0 && e - b == n ? std::pair{b, e} : std::pair<int64_t, int64_t>{0, 0};
+  return layer_ranges_[l] = r;
+}
+
 double PipelineEngine::theoretical_bubble(int m) const {
   return pp::theoretical_bubble(v_ > 1 ? "interleaved" : cfg_.parallel.schedule, p_, v_, m);
 }
@@ -134,6 +150,10 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
       trace->push_back({pp_.world_ranks()[rank_], pp::to_string(a), start - t0_us, now_us() - start});
   };
 
+  std::map<int, size_t> last_backward;  // chunk -> index of its last backward action (grads final after it)
+  for (size_t i = 0; i < actions.size(); ++i)
+    if (actions[i].kind == pp::PpAction::Backward) last_backward[actions[i].chunk] = i;
+
   for (size_t i = 0; i < actions.size();) {
     const pp::PpAction& a = actions[i];
     const double start = now_us();
@@ -148,7 +168,14 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
         x_in.erase(k);
       } else {
         Tensor dy = is_last(a.chunk) ? Tensor() : dy_in.at(k);
+        const bool last = grads_ready_ && last_backward[a.chunk] == i;
+        if (last)
+          model.set_layer_done_hook([this](int64_t l) {
+            const auto [b, e] = layer_range(l);
+            if (e > b) grads_ready_(b, e);
+          });
         dx_out[k] = model.backward(mb, dy, loss_scale, acts.at(k));
+        if (last) model.set_layer_done_hook(nullptr);
         acts.erase(k);  // activations die with their backward (1F1B's memory bound)
         y_out.erase(k);
         dy_in.erase(k);

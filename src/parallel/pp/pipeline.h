@@ -6,6 +6,7 @@
 // Microbatch metadata (token counts, cu_seqlens, positions) is never sent: every rank builds the same
 // microbatches from the same global sample indices, so each stage and TP rank knows every shape, and
 // the only P2P traffic is activations (tag 1) and gradients (tag 2), in schedule order.
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -32,6 +33,9 @@ class PipelineEngine {
   ParamStore& params() { return store_; }
   Transformer& chunk(int c) { return *chunks_.at(static_cast<size_t>(c)); }
   int num_chunks() const { return static_cast<int>(chunks_.size()); }
+  // Called during train() with [begin, end) of the flat gradient buffer as soon as a layer's gradients are
+  // final (after its last microbatch's backward), so DP reduction can start while backward continues.
+  void set_grads_ready_hook(std::function<void(int64_t, int64_t)> hook) { grads_ready_ = std::move(hook); }
   void set_recompute(bool on) {
     for (auto& c : chunks_) c->set_recompute(on);
   }
@@ -68,6 +72,8 @@ class PipelineEngine {
   int64_t local_tokens(const Microbatch& mb) const;
   // A (rows, d_model) buffer for stage activations, on the store's device in its compute dtype.
   Tensor act_buffer(int64_t rows) const;
+  // [begin, end) of layer l's parameters in the flat buffers ({0, 0} when they are not contiguous).
+  std::pair<int64_t, int64_t> layer_range(int64_t l);
   // This CP rank's shard of a full microbatch (the microbatch itself without CP).
   Microbatch shard(const Microbatch& full) const;
   // Runs the stages in order with blocking send/recv; returns the last chunk's activations on the
@@ -82,7 +88,10 @@ class PipelineEngine {
   int p_, v_, rank_;
   ParamStore store_;
   std::vector<std::unique_ptr<Transformer>> chunks_;
-  std::unique_ptr<Communicator> tied_;  // pp ranks 0 and p-1, when embeddings are tied and p > 1
+  std::unique_ptr<Communicator> tied_;
+  std::function<void(int64_t, int64_t)> grads_ready_;
+  std::map<int64_t, std::pair<int64_t, int64_t>>
+      layer_ranges_;  // pp ranks 0 and p-1, when embeddings are tied and p > 1
   double compute_s_ = 0;
 };
 
