@@ -116,6 +116,25 @@ struct AddOp {  // out = a + b
 };
 
 template <typename E>
+struct AddBiasOp {  // out = a + (b + bias[i % C]); the vector path needs C % N == 0 (a pack stays in one row)
+  E* out;
+  const E* a;
+  const E* b;
+  const E* bias;
+  int64_t C;
+  template <int N>
+  __device__ void apply(int64_t i) const {
+    float x[N], y[N], z[N];
+    load<N>(x, a, i);
+    load<N>(y, b, i);
+    load<N>(z, bias, i % C);
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] += y[k] + z[k];
+    store<N>(out, i, x);
+  }
+};
+
+template <typename E>
 struct ScaleOp {
   E* x;
   float s;
@@ -170,8 +189,15 @@ void swiglu_backward(E* dgate, E* dup, const E* dout, const E* gate, const E* up
 }
 
 template <typename E>
-void residual_forward(E* out, const E* a, const E* b, int64_t N, cudaStream_t stream) {
-  launch_elementwise<E>(AddOp<E>{out, a, b}, N, all_aligned16({out, a, b}), stream);
+void residual_forward(E* out, const E* a, const E* b, int64_t N, cudaStream_t stream, const E* bias,
+                      int64_t C) {
+  if (!bias) {
+    launch_elementwise<E>(AddOp<E>{out, a, b}, N, all_aligned16({out, a, b}), stream);
+    return;
+  }
+  NDT_CUDA_REQUIRE(C > 0 && N % C == 0, "residual_forward: the bias size must divide the element count");
+  launch_elementwise<E>(AddBiasOp<E>{out, a, b, bias, C}, N,
+                        all_aligned16({out, a, b, bias}) && C % detail::kVec<E> == 0, stream);
 }
 
 template <typename E>
@@ -195,13 +221,13 @@ void cast(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t stream) {
                                     detail::all_aligned16({out, in}), stream);
 }
 
-#define NDT_INSTANTIATE(E)                                                                       \
-  template void gelu_forward<E>(E*, const E*, int64_t, cudaStream_t);                            \
-  template void gelu_backward<E>(E*, const E*, const E*, int64_t, cudaStream_t);                 \
-  template void swiglu_forward<E>(E*, const E*, const E*, int64_t, cudaStream_t);                \
-  template void swiglu_backward<E>(E*, E*, const E*, const E*, const E*, int64_t, cudaStream_t); \
-  template void residual_forward<E>(E*, const E*, const E*, int64_t, cudaStream_t);              \
-  template void scale_inplace<E>(E*, float, int64_t, cudaStream_t);                              \
+#define NDT_INSTANTIATE(E)                                                                             \
+  template void gelu_forward<E>(E*, const E*, int64_t, cudaStream_t);                                  \
+  template void gelu_backward<E>(E*, const E*, const E*, int64_t, cudaStream_t);                       \
+  template void swiglu_forward<E>(E*, const E*, const E*, int64_t, cudaStream_t);                      \
+  template void swiglu_backward<E>(E*, E*, const E*, const E*, const E*, int64_t, cudaStream_t);       \
+  template void residual_forward<E>(E*, const E*, const E*, int64_t, cudaStream_t, const E*, int64_t); \
+  template void scale_inplace<E>(E*, float, int64_t, cudaStream_t);                                    \
   template void add_inplace<E>(E*, const E*, int64_t, cudaStream_t);
 NDT_INSTANTIATE(float)
 NDT_INSTANTIATE(__nv_bfloat16)

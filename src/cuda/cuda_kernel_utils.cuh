@@ -169,18 +169,21 @@ __global__ void colsum_partial_kernel(Op op, float* partial, int64_t T, int64_t 
   }
 }
 
+// One warp per column: lane i adds chunks i, i + 32, ... in order, then a fixed butterfly (deterministic).
 template <int NOUT>
 __global__ void colsum_finish_kernel(float* out0, float* out1, const float* partial, int64_t nchunk,
                                      int64_t C) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (c >= C) return;  // whole warps leave together
 #pragma unroll
   for (int k = 0; k < NOUT; ++k) {
     float* out = k == 0 ? out0 : out1;
     if (!out) continue;
     float s = 0.f;
-    for (int64_t j = 0; j < nchunk; ++j) s += partial[(k * nchunk + j) * C + c];
-    out[c] += s;
+    for (int64_t j = lane; j < nchunk; j += 32) s += partial[(k * nchunk + j) * C + c];
+    s = warp_sum(s);
+    if (lane == 0) out[c] += s;
   }
 }
 
@@ -193,7 +196,7 @@ void colsum(float* out0, float* out1, const Op& op, int64_t T, int64_t C, cudaSt
   const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(nchunk));
   colsum_partial_kernel<NOUT><<<grid, dim3(32, 8), 0, stream>>>(op, partial.as<float>(), T, C);
   NDT_CUDA_CHECK_LAUNCH();
-  colsum_finish_kernel<NOUT><<<static_cast<unsigned>((C + 255) / 256), 256, 0, stream>>>(
+  colsum_finish_kernel<NOUT><<<static_cast<unsigned>((C * 32 + 255) / 256), 256, 0, stream>>>(
       out0, out1, partial.as<float>(), nchunk, C);
   NDT_CUDA_CHECK_LAUNCH();
 }

@@ -97,9 +97,10 @@ void swiglu_forward(E* out, const E* gate, const E* up, int64_t N, cudaStream_t 
 template <typename E>
 void swiglu_backward(E* dgate, E* dup, const E* dout, const E* gate, const E* up, int64_t N,
                      cudaStream_t stream = 0);
-// out = a + b (residual stream; out may alias a or b).
+// out = a + (b + bias[i % C]) (residual stream; out may alias a or b; bias optional, C elements).
 template <typename E>
-void residual_forward(E* out, const E* a, const E* b, int64_t N, cudaStream_t stream = 0);
+void residual_forward(E* out, const E* a, const E* b, int64_t N, cudaStream_t stream = 0,
+                      const E* bias = nullptr, int64_t C = 1);
 
 // ---- softmax cross-entropy in vocab-parallel pieces (logits E, everything per-row float) ----
 template <typename E>

@@ -117,25 +117,43 @@ __global__ void logprob_kernel(float* lp, const float* tl, const float* rowmax, 
 }
 
 // INPLACE: d aliases the logits and is overwritten (0 for rows with dloss 0); else d += gradient.
+// Same row offset and (checked by the host) same base alignment: the head/vector/tail split of the logits
+// row fits the gradient row, so both are read and written with 16-byte accesses.
 template <typename E, bool INPLACE>
 __global__ void xent_backward_kernel(E* dlogits, const E* logits, const float* rowmax, const float* sumexp,
                                      const int32_t* targets, const float* dloss, int64_t V, int64_t start) {
+  constexpr int kV = detail::kVec<E>;
   const int64_t t = blockIdx.x;
   const float dl = dloss[t];
+  if (!INPLACE && dl == 0.0f) return;
+  const E* l = logits + t * V;
   E* d = dlogits + t * V;
-  if (dl == 0.0f) {
-    if (INPLACE)
-      for (int64_t j = threadIdx.x; j < V; j += blockDim.x) d[j] = from_f<E>(0.f);
-    return;
-  }
-  const float m = rowmax[t], scale = dl / sumexp[t];
+  const float m = rowmax[t], scale = dl == 0.0f ? 0.0f : dl / sumexp[t];
   const int64_t tj = static_cast<int64_t>(targets[t]) - start;  // outside [0, V): another shard's target
-  // Same row offset and (checked by the host) same base alignment: row_foreach's split fits both rows.
-  row_foreach(logits + t * V, V, [&](float x, int64_t j) {
+  auto grad = [&](float x, int64_t j) {
+    if (dl == 0.0f) return 0.0f;  // block-uniform
     float g = scale * expf(x - m);
     if (j == tj) g -= dl;
+    return g;
+  };
+  auto scalar = [&](int64_t j) {
+    const float g = grad(to_f(l[j]), j);
     d[j] = from_f<E>(INPLACE ? g : to_f(d[j]) + g);
-  });
+  };
+  int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(l) & 15u)) & 15u) / sizeof(E));
+  if (head > V) head = V;
+  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) scalar(j);
+  const int64_t nv = (V - head) / kV;
+  for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
+    const int64_t j0 = head + v * kV;
+    float x[kV], o[kV];
+    load<kV>(x, l, j0);
+    if (!INPLACE) load<kV>(o, d, j0);
+#pragma unroll
+    for (int k = 0; k < kV; ++k) x[k] = grad(x[k], j0 + k) + (INPLACE ? 0.0f : o[k]);
+    detail::store<kV>(d, j0, x);
+  }
+  for (int64_t j = head + nv * kV + threadIdx.x; j < V; j += blockDim.x) scalar(j);
 }
 
 template <typename E>

@@ -130,9 +130,7 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   ops::linear_forward(o_partial, a.att.view({T, heads_local_ * D}), p(pre + "attn.wo.weight").compute_value(),
                       nullptr);
   Tensor o = tp_->exit_forward(o_partial);
-  if (const Tensor* b = bias(pre + "attn.wo.bias")) ops::add_bias(o, *b);
-  a.h = x.clone();
-  ops::add_(a.h, o);
+  a.h = ops::add(x, o, bias(pre + "attn.wo.bias"));  // bias after the TP reduction, fused with the residual
 
   norm_forward(pre + "mlp_norm", a.h, a.n2, a.n2_mean, a.n2_rstd);
   a.m_in = tp_->enter_forward(a.n2);
@@ -151,10 +149,7 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
     ops::linear_forward(m_partial, a.act, p(pre + "mlp.w2.weight").compute_value(), nullptr);
   }
   Tensor m = tp_->exit_forward(m_partial);
-  if (const Tensor* b = bias(pre + "mlp.proj.bias")) ops::add_bias(m, *b);
-  Tensor out = a.h.clone();
-  ops::add_(out, m);
-  return out;
+  return ops::add(a.h, m, bias(pre + "mlp.proj.bias"));
 }
 
 Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor& dout, LayerActs& a) {

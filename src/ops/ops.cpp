@@ -526,20 +526,34 @@ void fill_dloss(Tensor& dloss, const Tensor& mask, float scale) {
   for (int64_t t = 0; t < dloss.numel(); ++t) d[t] = scale * m[t];
 }
 
-Tensor add(const Tensor& a, const Tensor& b) {
+Tensor add(const Tensor& a, const Tensor& b, const Tensor* bias) {
   NDT_CHECK(a.numel() == b.numel(), "add: {} vs {}", shape_str(a.shape()), shape_str(b.shape()));
+  const int64_t C = bias ? bias->numel() : 1;
+  NDT_CHECK(C > 0 && a.numel() % C == 0, "add: bias of {} elements does not divide {}", C,
+            shape_str(a.shape()));
 #ifdef NDT_HAVE_CUDA
   if (on_cuda(a)) {
     Tensor out = Tensor::empty(a.shape(), a.dtype(), a.device());
     by_dtype(a, [&](auto tag_) {
       using E = typename decltype(tag_)::type;
-      cuda::residual_forward<E>(dp<E>(out, "add out"), dp<E>(a, "add a"), dp<E>(b, "add b"), a.numel(), st());
+      cuda::residual_forward<E>(dp<E>(out, "add out"), dp<E>(a, "add a"), dp<E>(b, "add b"), a.numel(), st(),
+                                bias ? dp<E>(*bias, "add bias") : nullptr, C);
     });
     return out;
   }
 #endif
   Tensor out = a.clone();
-  add_(out, b);
+  if (!bias) {
+    add_(out, b);
+    return out;
+  }
+  require_cpu(a, "add");
+  float* po = out.f32();
+  const float *pb = b.f32(), *pbias = bias->f32();
+  const int64_t T = a.numel() / C;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < C; ++c) po[t * C + c] += pb[t * C + c] + pbias[c];
   return out;
 }
 

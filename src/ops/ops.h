@@ -104,8 +104,9 @@ double masked_loss_sum(const Tensor& logprob, const Tensor& mask);
 void fill_dloss(Tensor& dloss, const Tensor& mask, float scale);
 
 // ---- elementwise / conversion ----
-// a + b as a new tensor (like a).
-Tensor add(const Tensor& a, const Tensor& b);
+// a + (b + bias) as a new tensor (like a); bias (optional) has the size of a row and is added to every row.
+// One pass on the GPU: the residual add of a block output whose bias waits for the TP reduction.
+Tensor add(const Tensor& a, const Tensor& b, const Tensor* bias = nullptr);
 // dst = src converted between f32 and bf16 (round to nearest even), same numel and device.
 void cast_into(Tensor& dst, const Tensor& src);
 // A CPU f32 copy of t (t itself when it is one already): host-side reads of device results.

@@ -185,6 +185,16 @@ TYPED_TEST(CudaOps, Activations) {
   out.poison();
   ndt::cuda::residual_forward<E>(out.p, dx.p, du.p, N);
   expect_close<E>("residual_forward", out.get(), add(x, u));
+  // ... with a row bias (x + (u + bias)): vector path (C % 8 == 0) and scalar path (rows of 37)
+  for (const int64_t bc : {C, int64_t{37}}) {
+    const int64_t n = T * bc;
+    const Vec bias = rounded<E>(randv(bc, 6, -1.f, 1.f));
+    Dev<E> db(bias), ob(n);
+    Vec want(n);
+    for (int64_t i = 0; i < n; ++i) want[i] = x[i] + (u[i] + bias[i % bc]);
+    ndt::cuda::residual_forward<E>(ob.p, dx.p, du.p, n, 0, db.p, bc);
+    expect_close<E>(bc == C ? "residual_forward+bias vec" : "residual_forward+bias", ob.get(), want);
+  }
   Dev<E> y(pre);
   ndt::cuda::add_inplace<E>(y.p, dx.p, N);
   Vec ry = pre;
