@@ -241,13 +241,14 @@ void linear_forward(E* out, const E* inp, const E* weight, const E* bias, int64_
 
 template <typename E>
 void linear_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
-                     int64_t T, int64_t IC, int64_t OC, cudaStream_t stream) {
+                     int64_t T, int64_t IC, int64_t OC, cudaStream_t stream, bool accumulate_dinp) {
   if (T <= 0 || OC <= 0) return;
   constexpr DType dt = dtype_of<E>();
   if (IC > 0) {
-    // dinp(T, IC) += dout(T, OC) @ weight(OC, IC)
+    // dinp(T, IC) (+)= dout(T, OC) @ weight(OC, IC)
     if (dinp)
-      gemm(dt, dt, false, false, T, IC, OC, 1.0f, dout, OC, weight, IC, 1.0f, dinp, IC, nullptr, stream);
+      gemm(dt, dt, false, false, T, IC, OC, 1.0f, dout, OC, weight, IC, accumulate_dinp ? 1.0f : 0.0f, dinp,
+           IC, nullptr, stream);
     // dweight(OC, IC) += dout(T, OC)^T @ inp(T, IC), fp32 output
     if (dweight)
       gemm(dt, DType::f32, true, false, OC, IC, T, 1.0f, dout, OC, inp, IC, 1.0f, dweight, IC, nullptr,
@@ -260,7 +261,7 @@ void linear_backward(E* dinp, float* dweight, float* dbias, const E* dout, const
   template void linear_forward<E>(E*, const E*, const E*, const E*, int64_t, int64_t, int64_t,         \
                                   cudaStream_t);                                                       \
   template void linear_backward<E>(E*, float*, float*, const E*, const E*, const E*, int64_t, int64_t, \
-                                   int64_t, cudaStream_t);
+                                   int64_t, cudaStream_t, bool);
 NDT_INSTANTIATE(float)
 NDT_INSTANTIATE(__nv_bfloat16)
 #undef NDT_INSTANTIATE

@@ -28,17 +28,29 @@ struct GeluFwd {
   }
 };
 
+// The current value of an accumulated output, or 0 when the op overwrites it (then it is not read).
+template <int N, typename E>
+__device__ __forceinline__ void load_or_zero(float (&out)[N], const E* p, int64_t i, bool accumulate) {
+  if (accumulate) {
+    load<N>(out, p, i);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = 0.f;
+  }
+}
+
 template <typename E>
 struct GeluBwd {
   E* dinp;
   const E* dout;
   const E* inp;
+  bool accumulate;
   template <int N>
   __device__ void apply(int64_t i) const {
     float x[N], g[N], d[N];
     load<N>(x, inp, i);
     load<N>(g, dout, i);
-    load<N>(d, dinp, i);
+    load_or_zero<N>(d, dinp, i, accumulate);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const float u = kGeluScale * (x[k] + kGeluCubic * x[k] * x[k] * x[k]);
@@ -75,6 +87,7 @@ struct SwigluBwd {
   const E* dout;
   const E* gate;
   const E* up;
+  bool accumulate;
   template <int N>
   __device__ void apply(int64_t i) const {
     float g[N], u[N], go[N], a[N];
@@ -82,7 +95,7 @@ struct SwigluBwd {
     load<N>(u, up, i);
     load<N>(go, dout, i);
     if (dgate) {
-      load<N>(a, dgate, i);
+      load_or_zero<N>(a, dgate, i, accumulate);
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         const float sig = 1.0f / (1.0f + expf(-g[k]));
@@ -91,7 +104,7 @@ struct SwigluBwd {
       store<N>(dgate, i, a);
     }
     if (dup) {
-      load<N>(a, dup, i);
+      load_or_zero<N>(a, dup, i, accumulate);
 #pragma unroll
       for (int k = 0; k < N; ++k) a[k] += go[k] * g[k] / (1.0f + expf(-g[k]));
       store<N>(dup, i, a);
@@ -170,9 +183,9 @@ void gelu_forward(E* out, const E* inp, int64_t N, cudaStream_t stream) {
 }
 
 template <typename E>
-void gelu_backward(E* dinp, const E* dout, const E* inp, int64_t N, cudaStream_t stream) {
+void gelu_backward(E* dinp, const E* dout, const E* inp, int64_t N, cudaStream_t stream, bool accumulate) {
   if (!dinp) return;
-  launch_elementwise<E>(GeluBwd<E>{dinp, dout, inp}, N, all_aligned16({dinp, dout, inp}), stream);
+  launch_elementwise<E>(GeluBwd<E>{dinp, dout, inp, accumulate}, N, all_aligned16({dinp, dout, inp}), stream);
 }
 
 template <typename E>
@@ -182,9 +195,9 @@ void swiglu_forward(E* out, const E* gate, const E* up, int64_t N, cudaStream_t 
 
 template <typename E>
 void swiglu_backward(E* dgate, E* dup, const E* dout, const E* gate, const E* up, int64_t N,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, bool accumulate) {
   if (!dgate && !dup) return;
-  launch_elementwise<E>(SwigluBwd<E>{dgate, dup, dout, gate, up}, N,
+  launch_elementwise<E>(SwigluBwd<E>{dgate, dup, dout, gate, up, accumulate}, N,
                         all_aligned16({dgate, dup, dout, gate, up}), stream);
 }
 
@@ -223,9 +236,9 @@ void cast(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t stream) {
 
 #define NDT_INSTANTIATE(E)                                                                             \
   template void gelu_forward<E>(E*, const E*, int64_t, cudaStream_t);                                  \
-  template void gelu_backward<E>(E*, const E*, const E*, int64_t, cudaStream_t);                       \
+  template void gelu_backward<E>(E*, const E*, const E*, int64_t, cudaStream_t, bool);                 \
   template void swiglu_forward<E>(E*, const E*, const E*, int64_t, cudaStream_t);                      \
-  template void swiglu_backward<E>(E*, E*, const E*, const E*, const E*, int64_t, cudaStream_t);       \
+  template void swiglu_backward<E>(E*, E*, const E*, const E*, const E*, int64_t, cudaStream_t, bool); \
   template void residual_forward<E>(E*, const E*, const E*, int64_t, cudaStream_t, const E*, int64_t); \
   template void scale_inplace<E>(E*, float, int64_t, cudaStream_t);                                    \
   template void add_inplace<E>(E*, const E*, int64_t, cudaStream_t);

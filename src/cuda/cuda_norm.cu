@@ -62,7 +62,8 @@ __global__ void norm_forward_kernel(E* out, float* mean, float* rstd, const E* i
 
 template <typename E, int VEC, bool RMS>
 __global__ void norm_backward_dinp_kernel(E* dinp, const E* dout, const E* inp, const E* weight,
-                                          const float* mean, const float* rstd, int64_t T, int64_t C) {
+                                          const float* mean, const float* rstd, int64_t T, int64_t C,
+                                          const E* dres) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T) return;
@@ -85,12 +86,13 @@ __global__ void norm_backward_dinp_kernel(E* dinp, const E* dout, const E* inp, 
   const float a = RMS ? 0.f : detail::warp_sum(sum_dn) / static_cast<float>(C);
   const float b = detail::warp_sum(sum_dn_n) / static_cast<float>(C);
   E* d = dinp + t * C;
+  const E* base = (dres ? dres : dinp) + t * C;  // what the gradient is added to
   for (int64_t c = lane * VEC; c < C; c += 32 * VEC) {
     float xv[VEC], gv[VEC], wv[VEC], dv[VEC];
     load<VEC>(xv, x, c);
     load<VEC>(gv, g, c);
     load<VEC>(wv, weight, c);
-    load<VEC>(dv, d, c);
+    load<VEC>(dv, base, c);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) dv[k] += rs * (gv[k] * wv[k] - a - ((xv[k] - m) * rs) * b);
     store<VEC>(d, c, dv);
@@ -135,16 +137,17 @@ void norm_forward(E* out, float* mean, float* rstd, const E* inp, const E* weigh
 
 template <typename E, bool RMS>
 void norm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
-                   const float* mean, const float* rstd, int64_t T, int64_t C, cudaStream_t stream) {
+                   const float* mean, const float* rstd, int64_t T, int64_t C, cudaStream_t stream,
+                   const E* dres) {
   if (T <= 0 || C <= 0) return;
   if (dinp) {
     const unsigned grid = static_cast<unsigned>((T + kWarps - 1) / kWarps);
-    if (use_vec<E>(C, {dinp, dout, inp, weight})) {
+    if (use_vec<E>(C, {dinp, dout, inp, weight, dres})) {
       norm_backward_dinp_kernel<E, detail::kVec<E>, RMS>
-          <<<grid, 32 * kWarps, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, T, C);
+          <<<grid, 32 * kWarps, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, T, C, dres);
     } else {
       norm_backward_dinp_kernel<E, 1, RMS>
-          <<<grid, 32 * kWarps, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, T, C);
+          <<<grid, 32 * kWarps, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, T, C, dres);
     }
     NDT_CUDA_CHECK_LAUNCH();
   }
@@ -160,8 +163,9 @@ void layernorm_forward(E* out, float* mean, float* rstd, const E* inp, const E* 
 
 template <typename E>
 void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
-                        const float* mean, const float* rstd, int64_t T, int64_t C, cudaStream_t stream) {
-  norm_backward<E, false>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, T, C, stream);
+                        const float* mean, const float* rstd, int64_t T, int64_t C, cudaStream_t stream,
+                        const E* dres) {
+  norm_backward<E, false>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, T, C, stream, dres);
 }
 
 template <typename E>
@@ -172,18 +176,18 @@ void rmsnorm_forward(E* out, float* rstd, const E* inp, const E* weight, int64_t
 
 template <typename E>
 void rmsnorm_backward(E* dinp, float* dweight, const E* dout, const E* inp, const E* weight,
-                      const float* rstd, int64_t T, int64_t C, cudaStream_t stream) {
-  norm_backward<E, true>(dinp, dweight, nullptr, dout, inp, weight, nullptr, rstd, T, C, stream);
+                      const float* rstd, int64_t T, int64_t C, cudaStream_t stream, const E* dres) {
+  norm_backward<E, true>(dinp, dweight, nullptr, dout, inp, weight, nullptr, rstd, T, C, stream, dres);
 }
 
 #define NDT_INSTANTIATE(E)                                                                                 \
   template void layernorm_forward<E>(E*, float*, float*, const E*, const E*, const E*, int64_t, int64_t,   \
                                      float, cudaStream_t);                                                 \
   template void layernorm_backward<E>(E*, float*, float*, const E*, const E*, const E*, const float*,      \
-                                      const float*, int64_t, int64_t, cudaStream_t);                       \
+                                      const float*, int64_t, int64_t, cudaStream_t, const E*);             \
   template void rmsnorm_forward<E>(E*, float*, const E*, const E*, int64_t, int64_t, float, cudaStream_t); \
   template void rmsnorm_backward<E>(E*, float*, const E*, const E*, const E*, const float*, int64_t,       \
-                                    int64_t, cudaStream_t);
+                                    int64_t, cudaStream_t, const E*);
 NDT_INSTANTIATE(float)
 NDT_INSTANTIATE(__nv_bfloat16)
 #undef NDT_INSTANTIATE

@@ -55,11 +55,12 @@ void add_position_embedding_backward(float* dpos_table, const E* dout, const int
 template <typename E>
 void linear_forward(E* out, const E* inp, const E* weight, const E* bias, int64_t T, int64_t IC, int64_t OC,
                     cudaStream_t stream = 0);
-// dinp(T, IC) += dout @ weight (beta = 1, in E); dweight(OC, IC) += dout^T @ inp (E inputs, fp32 C/D);
+// dinp(T, IC) += dout @ weight (beta = 1, in E; accumulate_dinp = false: dinp = ..., beta = 0, dinp is not
+// read, so it may be uninitialized); dweight(OC, IC) += dout^T @ inp (E inputs, fp32 C/D);
 // dbias(OC) += column sums of dout (deterministic kernel).
 template <typename E>
 void linear_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
-                     int64_t T, int64_t IC, int64_t OC, cudaStream_t stream = 0);
+                     int64_t T, int64_t IC, int64_t OC, cudaStream_t stream = 0, bool accumulate_dinp = true);
 // dbias(OC) += sum over rows of dout(T, OC) (the linear dbias, exported for fused/sharded callers).
 template <typename E>
 void bias_backward(float* dbias, const E* dout, int64_t T, int64_t OC, cudaStream_t stream = 0);
@@ -68,15 +69,19 @@ void bias_backward(float* dbias, const E* dout, int64_t T, int64_t OC, cudaStrea
 template <typename E>
 void layernorm_forward(E* out, float* mean, float* rstd, const E* inp, const E* weight, const E* bias,
                        int64_t T, int64_t C, float eps, cudaStream_t stream = 0);
+// Norm backward: dinp += input gradient; with dres set, dinp = dres + input gradient instead (dinp not read:
+// the residual branch's gradient without a copy). dweight/dbias += their column sums.
 template <typename E>
 void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
-                        const float* mean, const float* rstd, int64_t T, int64_t C, cudaStream_t stream = 0);
+                        const float* mean, const float* rstd, int64_t T, int64_t C, cudaStream_t stream = 0,
+                        const E* dres = nullptr);
 template <typename E>
 void rmsnorm_forward(E* out, float* rstd, const E* inp, const E* weight, int64_t T, int64_t C, float eps,
                      cudaStream_t stream = 0);
 template <typename E>
 void rmsnorm_backward(E* dinp, float* dweight, const E* dout, const E* inp, const E* weight,
-                      const float* rstd, int64_t T, int64_t C, cudaStream_t stream = 0);
+                      const float* rstd, int64_t T, int64_t C, cudaStream_t stream = 0,
+                      const E* dres = nullptr);
 
 // ---- rotary embedding on (T, H, D), rotate_half layout; angles in double as on CPU. inp == out ok ----
 template <typename E>
@@ -90,13 +95,15 @@ void rope_backward(E* dinp, const E* dout, const int32_t* pos, int64_t T, int64_
 // ---- activations (elementwise over N) ----
 template <typename E>
 void gelu_forward(E* out, const E* inp, int64_t N, cudaStream_t stream = 0);
+// Backward ops add into their outputs; accumulate = false overwrites them instead (they are not read).
 template <typename E>
-void gelu_backward(E* dinp, const E* dout, const E* inp, int64_t N, cudaStream_t stream = 0);
+void gelu_backward(E* dinp, const E* dout, const E* inp, int64_t N, cudaStream_t stream = 0,
+                   bool accumulate = true);
 template <typename E>
 void swiglu_forward(E* out, const E* gate, const E* up, int64_t N, cudaStream_t stream = 0);
 template <typename E>
 void swiglu_backward(E* dgate, E* dup, const E* dout, const E* gate, const E* up, int64_t N,
-                     cudaStream_t stream = 0);
+                     cudaStream_t stream = 0, bool accumulate = true);
 // out = a + (b + bias[i % C]) (residual stream; out may alias a or b; bias optional, C elements).
 template <typename E>
 void residual_forward(E* out, const E* a, const E* b, int64_t N, cudaStream_t stream = 0,

@@ -92,12 +92,13 @@ void Transformer::norm_forward(const std::string& prefix, const Tensor& x, Tenso
 }
 
 void Transformer::norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x,
-                                const Tensor& mean, const Tensor& rstd) {
+                                const Tensor& mean, const Tensor& rstd, const Tensor* dres) {
   Param& w = p(prefix + ".weight");
   if (cfg_.is_gpt2()) {
-    ops::layernorm_backward(dx, w.grad, p(prefix + ".bias").grad, dout, x, w.compute_value(), mean, rstd);
+    ops::layernorm_backward(dx, w.grad, p(prefix + ".bias").grad, dout, x, w.compute_value(), mean, rstd,
+                            dres);
   } else {
-    ops::rmsnorm_backward(dx, w.grad, dout, x, w.compute_value(), rstd);
+    ops::rmsnorm_backward(dx, w.grad, dout, x, w.compute_value(), rstd, dres);
   }
 }
 
@@ -157,40 +158,43 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
   const int64_t D = cfg_.head_dim(), C = cfg_.d_model, T = a.a_in.size(0);
   const float theta = static_cast<float>(cfg_.rope_theta);
   // MLP branch: out = h + exit(act @ W2^T) (+ bias).
-  Tensor dh = dout.clone();
+  Tensor dh = act(dout.shape());  // = dout + the MLP norm's input gradient (written by norm_backward)
   if (Param* b = ps_->find(pre + "mlp.proj.bias")) ops::bias_backward(b->grad, dout);
   Tensor dm = tp_->exit_backward(dout);  // (T, C)
-  Tensor dact = act_zeros({T, ffn_local_});
-  Tensor dm_in = act_zeros({T, C});
-  Tensor dfc1 = act_zeros({T, ffn_local_});
+  // Activation gradients start uninitialized: their first op overwrites (accumulate = false), the rest add.
+  Tensor dact = act({T, ffn_local_});
+  Tensor dm_in = act({T, C});
+  Tensor dfc1 = act({T, ffn_local_});
   if (cfg_.is_gpt2()) {
     Param& w2 = p(pre + "mlp.proj.weight");
-    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value());
-    ops::gelu_backward(dfc1, dact, a.fc1);
+    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value(), /*accumulate_dinp=*/false);
+    ops::gelu_backward(dfc1, dact, a.fc1, /*accumulate=*/false);
     Param& w1 = p(pre + "mlp.fc.weight");
-    ops::linear_backward(&dm_in, w1.grad, &p(pre + "mlp.fc.bias").grad, dfc1, a.m_in, w1.compute_value());
+    ops::linear_backward(&dm_in, w1.grad, &p(pre + "mlp.fc.bias").grad, dfc1, a.m_in, w1.compute_value(),
+                         /*accumulate_dinp=*/false);
   } else {
     Param& w2 = p(pre + "mlp.w2.weight");
-    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value());
-    Tensor dfc3 = act_zeros({T, ffn_local_});
-    ops::swiglu_backward(dfc1, dfc3, dact, a.fc1, a.fc3);
+    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value(), /*accumulate_dinp=*/false);
+    Tensor dfc3 = act({T, ffn_local_});
+    ops::swiglu_backward(dfc1, dfc3, dact, a.fc1, a.fc3, /*accumulate=*/false);
     Param& w1 = p(pre + "mlp.w1.weight");
     Param& w3 = p(pre + "mlp.w3.weight");
-    ops::linear_backward(&dm_in, w1.grad, nullptr, dfc1, a.m_in, w1.compute_value());
+    ops::linear_backward(&dm_in, w1.grad, nullptr, dfc1, a.m_in, w1.compute_value(),
+                         /*accumulate_dinp=*/false);
     ops::linear_backward(&dm_in, w3.grad, nullptr, dfc3, a.m_in, w3.compute_value());
   }
   Tensor dn2 = tp_->enter_backward(dm_in);
-  norm_backward(pre + "mlp_norm", dh, dn2, a.h, a.n2_mean, a.n2_rstd);
+  norm_backward(pre + "mlp_norm", dh, dn2, a.h, a.n2_mean, a.n2_rstd, &dout);
 
   // Attention branch: h = x + exit(att @ Wo^T) (+ bias).
-  Tensor dx = dh.clone();
+  Tensor dx = act(dh.shape());  // = dh + the attention norm's input gradient
   if (Param* b = ps_->find(pre + "attn.wo.bias")) ops::bias_backward(b->grad, dh);
   Tensor do_full = tp_->exit_backward(dh);
-  Tensor datt = act_zeros({T, heads_local_, D});
+  Tensor datt = act({T, heads_local_, D});
   Param& wo = p(pre + "attn.wo.weight");
   Tensor datt2d = datt.view({T, heads_local_ * D});
   ops::linear_backward(&datt2d, wo.grad, nullptr, do_full, a.att.view({T, heads_local_ * D}),
-                       wo.compute_value());
+                       wo.compute_value(), /*accumulate_dinp=*/false);
   Tensor dq = act_zeros(a.q.shape()), dk = act_zeros(a.k.shape()), dv = act_zeros(a.v.shape());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   if (cp_)
@@ -201,15 +205,18 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
     ops::rope_backward(dq, mb.positions, theta);
     ops::rope_backward(dk, mb.positions, theta);
   }
-  Tensor da_in = act_zeros({T, C});
+  Tensor da_in = act({T, C});
+  bool first = true;
   for (auto [name, d] :
        {std::pair<const char*, Tensor*>{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}}) {
     Param& w = p(pre + name + ".weight");
     Param* b = ps_->find(pre + name + ".bias");
-    ops::linear_backward(&da_in, w.grad, b ? &b->grad : nullptr, *d, a.a_in, w.compute_value());
+    ops::linear_backward(&da_in, w.grad, b ? &b->grad : nullptr, *d, a.a_in, w.compute_value(),
+                         /*accumulate_dinp=*/!first);
+    first = false;
   }
   Tensor dn1 = tp_->enter_backward(da_in);
-  norm_backward(pre + "attn_norm", dx, dn1, a.x_in, a.n1_mean, a.n1_rstd);
+  norm_backward(pre + "attn_norm", dx, dn1, a.x_in, a.n1_mean, a.n1_rstd, &dh);
   return dx;
 }
 

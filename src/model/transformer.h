@@ -96,8 +96,9 @@ class Transformer {
   Tensor layer_forward(int64_t l, const Microbatch& mb, const Tensor& x, LayerActs& a);
   Tensor layer_backward(int64_t l, const Microbatch& mb, const Tensor& dout, LayerActs& a);
   void norm_forward(const std::string& prefix, const Tensor& x, Tensor& out, Tensor& mean, Tensor& rstd);
+  // dx += norm input gradient; with dres, dx = *dres + norm input gradient (dx fresh, not read).
   void norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x,
-                     const Tensor& mean, const Tensor& rstd);
+                     const Tensor& mean, const Tensor& rstd, const Tensor* dres = nullptr);
   Param& p(const std::string& name) { return ps_->get(name); }
   const Tensor* bias(const std::string& name);
   // Activation / statistics buffers on the store's device (activations in its compute dtype).

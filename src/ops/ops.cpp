@@ -144,14 +144,16 @@ void linear_forward(Tensor& out, const Tensor& inp, const Tensor& weight, const 
 }
 
 void linear_backward(Tensor* dinp, Tensor& dweight, Tensor* dbias, const Tensor& dout, const Tensor& inp,
-                     const Tensor& weight) {
+                     const Tensor& weight, bool accumulate_dinp) {
   int64_t OC = weight.size(0), IC = weight.size(1), T = rows(inp);
   NDT_CHECK(dout.numel() == T * OC, "linear_backward: dout has {} elements, expected {}", dout.numel(),
             T * OC);
-  NDT_ON_CUDA(inp, cuda::linear_backward<E>(dp_opt<E>(dinp, "dinp"), dp<float>(dweight, "dweight"),
-                                            dp_opt<float>(dbias, "dbias"), dp<E>(dout, "dout"),
-                                            dp<E>(inp, "inp"), dp<E>(weight, "weight"), T, IC, OC, st()));
+  NDT_ON_CUDA(inp,
+              cuda::linear_backward<E>(dp_opt<E>(dinp, "dinp"), dp<float>(dweight, "dweight"),
+                                       dp_opt<float>(dbias, "dbias"), dp<E>(dout, "dout"), dp<E>(inp, "inp"),
+                                       dp<E>(weight, "weight"), T, IC, OC, st(), accumulate_dinp));
   require_cpu(inp, "linear_backward");
+  if (dinp && !accumulate_dinp) dinp->zero_();
   cpu::linear_backward(dinp ? dinp->f32() : nullptr, dweight.f32(), dbias ? dbias->f32() : nullptr,
                        dout.f32(), inp.f32(), weight.f32(), T, IC, OC);
 }
@@ -168,13 +170,16 @@ void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& in
 }
 
 void layernorm_backward(Tensor& dinp, Tensor& dweight, Tensor& dbias, const Tensor& dout, const Tensor& inp,
-                        const Tensor& weight, const Tensor& mean, const Tensor& rstd) {
+                        const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor* dres) {
+  NDT_CHECK(!dres || dres->numel() == dinp.numel(), "layernorm_backward: residual gradient {} vs {}",
+            dres ? shape_str(dres->shape()) : "", shape_str(dinp.shape()));
   NDT_ON_CUDA(inp, cuda::layernorm_backward<E>(dp<E>(dinp, "ln dinp"), dp<float>(dweight, "ln dweight"),
                                                dp<float>(dbias, "ln dbias"), dp<E>(dout, "ln dout"),
                                                dp<E>(inp, "ln inp"), dp<E>(weight, "ln weight"),
                                                dp<float>(mean, "ln mean"), dp<float>(rstd, "ln rstd"),
-                                               rows(inp), inp.size(-1), st()));
+                                               rows(inp), inp.size(-1), st(), dp_opt<E>(dres, "ln dres")));
   require_cpu(inp, "layernorm_backward");
+  if (dres) dinp.copy_from(*dres);
   cpu::layernorm_backward(dinp.f32(), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(),
                           mean.f32(), rstd.f32(), rows(inp), inp.size(-1));
 }
@@ -188,12 +193,15 @@ void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor&
 }
 
 void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                      const Tensor& weight, const Tensor& rstd) {
+                      const Tensor& weight, const Tensor& rstd, const Tensor* dres) {
+  NDT_CHECK(!dres || dres->numel() == dinp.numel(), "rmsnorm_backward: residual gradient {} vs {}",
+            dres ? shape_str(dres->shape()) : "", shape_str(dinp.shape()));
   NDT_ON_CUDA(inp, cuda::rmsnorm_backward<E>(dp<E>(dinp, "rms dinp"), dp<float>(dweight, "rms dweight"),
                                              dp<E>(dout, "rms dout"), dp<E>(inp, "rms inp"),
                                              dp<E>(weight, "rms weight"), dp<float>(rstd, "rms rstd"),
-                                             rows(inp), inp.size(-1), st()));
+                                             rows(inp), inp.size(-1), st(), dp_opt<E>(dres, "rms dres")));
   require_cpu(inp, "rmsnorm_backward");
+  if (dres) dinp.copy_from(*dres);
   cpu::rmsnorm_backward(dinp.f32(), dweight.f32(), dout.f32(), inp.f32(), weight.f32(), rstd.f32(), rows(inp),
                         inp.size(-1));
 }
@@ -340,10 +348,11 @@ void gelu_forward(Tensor& out, const Tensor& inp) {
   cpu::gelu_forward(out.f32(), inp.f32(), inp.numel());
 }
 
-void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp, bool accumulate) {
   NDT_ON_CUDA(inp, cuda::gelu_backward<E>(dp<E>(dinp, "gelu dinp"), dp<E>(dout, "gelu dout"),
-                                          dp<E>(inp, "gelu inp"), inp.numel(), st()));
+                                          dp<E>(inp, "gelu inp"), inp.numel(), st(), accumulate));
   require_cpu(inp, "gelu_backward");
+  if (!accumulate) dinp.zero_();
   cpu::gelu_backward(dinp.f32(), dout.f32(), inp.f32(), inp.numel());
 }
 
@@ -354,11 +363,16 @@ void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) {
   cpu::swiglu_forward(out.f32(), gate.f32(), up.f32(), gate.numel());
 }
 
-void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up) {
+void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,
+                     bool accumulate) {
   NDT_ON_CUDA(gate,
               cuda::swiglu_backward<E>(dp<E>(dgate, "dgate"), dp<E>(dup, "dup"), dp<E>(dout, "swiglu dout"),
-                                       dp<E>(gate, "gate"), dp<E>(up, "up"), gate.numel(), st()));
+                                       dp<E>(gate, "gate"), dp<E>(up, "up"), gate.numel(), st(), accumulate));
   require_cpu(gate, "swiglu_backward");
+  if (!accumulate) {
+    if (dgate.defined()) dgate.zero_();
+    if (dup.defined()) dup.zero_();
+  }
   cpu::swiglu_backward(dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), gate.numel());
 }
 

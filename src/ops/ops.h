@@ -2,7 +2,9 @@
 // Tensor-level ops: check shapes/dtypes, then dispatch on the tensor's device to the CPU reference
 // kernels (ops/cpu_ops.h) or, in a CUDA build, to their GPU twins (cuda/cuda_ops.h, cuda/flash_attention.h)
 // on the compute stream of cuda/runtime.h. Callers (model, trainer) only use this header, so adding a
-// backend changes no caller. Backward ops ACCUMULATE into gradients (+=), as in cpu_ops.h.
+// backend changes no caller. Backward ops ACCUMULATE into gradients (+=), as in cpu_ops.h; those with an
+// `accumulate` flag overwrite their activation gradient when it is false (a fresh, uninitialized buffer: on
+// the GPU this saves zeroing it and reading it back).
 //
 // Dtypes: on the CPU everything is f32. On CUDA, activations, their gradients and the weights passed in
 // (a Param's compute_value()) share one activation dtype, f32 or bf16; parameter GRADIENTS and per-row
@@ -25,15 +27,17 @@ void add_position_embedding_backward(Tensor& dtable, const Tensor& dx, const Ten
 // out(T, OC) = inp(T, IC) @ weight(OC, IC)^T (+ bias(OC) when defined).
 void linear_forward(Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor* bias);
 void linear_backward(Tensor* dinp, Tensor& dweight, Tensor* dbias, const Tensor& dout, const Tensor& inp,
-                     const Tensor& weight);
+                     const Tensor& weight, bool accumulate_dinp = true);
 
 void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp, const Tensor& weight,
                        const Tensor& bias, float eps);
+// dinp += input gradient, or with dres: dinp = *dres + input gradient (dinp a fresh buffer, not read).
 void layernorm_backward(Tensor& dinp, Tensor& dweight, Tensor& dbias, const Tensor& dout, const Tensor& inp,
-                        const Tensor& weight, const Tensor& mean, const Tensor& rstd);
+                        const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+                        const Tensor* dres = nullptr);
 void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps);
 void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                      const Tensor& weight, const Tensor& rstd);
+                      const Tensor& weight, const Tensor& rstd, const Tensor* dres = nullptr);
 
 // x(T, H, D) rotated in place by positions pos(T).
 void rope_forward(Tensor& x, const Tensor& pos, float theta);
@@ -65,9 +69,10 @@ Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& idx);
 void scatter_add_rows(Tensor& dst, const Tensor& src, const std::vector<int64_t>& idx);
 
 void gelu_forward(Tensor& out, const Tensor& inp);
-void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp);
+void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp, bool accumulate = true);
 void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up);
-void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up);
+void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,
+                     bool accumulate = true);
 
 // y += x (same numel).
 void add_(Tensor& y, const Tensor& x);

@@ -167,6 +167,11 @@ TYPED_TEST(CudaOps, Activations) {
   ndt::cuda::gelu_backward<E>(out.p, dg.p, dx.p, N);
   ndt::cpu::gelu_backward(ref.data(), g.data(), x.data(), N);
   expect_close<E>("gelu_backward(+=)", out.get(), ref);
+  out.poison();  // overwrite: the poison is not read
+  std::fill(ref.begin(), ref.end(), 0.f);
+  ndt::cuda::gelu_backward<E>(out.p, dg.p, dx.p, N, 0, /*accumulate=*/false);
+  ndt::cpu::gelu_backward(ref.data(), g.data(), x.data(), N);
+  expect_close<E>("gelu_backward(=)", out.get(), ref);
   // swiglu
   out.poison();
   ndt::cuda::swiglu_forward<E>(out.p, dx.p, du.p, N);
@@ -181,6 +186,14 @@ TYPED_TEST(CudaOps, Activations) {
   ndt::cuda::swiglu_backward<E>(nullptr, dup.p, dg.p, dx.p, du.p, N);  // null d-pointer: skipped
   ndt::cpu::swiglu_backward(nullptr, ru.data(), g.data(), x.data(), u.data(), N);
   expect_close<E>("swiglu_backward dup only", dup.get(), ru);
+  dgate.poison();
+  dup.poison();
+  std::fill(rg.begin(), rg.end(), 0.f);
+  std::fill(ru.begin(), ru.end(), 0.f);
+  ndt::cuda::swiglu_backward<E>(dgate.p, dup.p, dg.p, dx.p, du.p, N, 0, /*accumulate=*/false);
+  ndt::cpu::swiglu_backward(rg.data(), ru.data(), g.data(), x.data(), u.data(), N);
+  expect_close<E>("swiglu_backward dgate(=)", dgate.get(), rg);
+  expect_close<E>("swiglu_backward dup(=)", dup.get(), ru);
   // residual, add_inplace, scale_inplace
   out.poison();
   ndt::cuda::residual_forward<E>(out.p, dx.p, du.p, N);
@@ -234,6 +247,12 @@ TYPED_TEST(CudaOps, Norms) {
     expect_close<E>("layernorm_backward dinp(+=)", dinp.get(), rdi);
     expect_close<E>("layernorm_backward dweight(+=)", dweight.get(), rdw, 1e-5);
     expect_close<E>("layernorm_backward dbias(+=)", dbias.get(), rdb, 1e-5);
+    // dinp = dres + gradient: the (poisoned) dinp is not read.
+    Dev<E> dres(pre);
+    dinp.poison();
+    ndt::cuda::layernorm_backward<E>(dinp.p, nullptr, nullptr, dg.p, dx.p, dw.p, mean.p, rstd.p, T, c, 0,
+                                     dres.p);
+    expect_close<E>("layernorm_backward dres+", dinp.get(), rdi);
 
     out.poison();
     rstd.poison();
@@ -250,6 +269,9 @@ TYPED_TEST(CudaOps, Norms) {
     ndt::cpu::rmsnorm_backward(rdi.data(), rdw.data(), g.data(), x.data(), w.data(), rr.data(), T, c);
     expect_close<E>("rmsnorm_backward dinp(+=)", dinp.get(), rdi);
     expect_close<E>("rmsnorm_backward dweight(+=)", dweight.get(), rdw, 1e-5);
+    dinp.poison();
+    ndt::cuda::rmsnorm_backward<E>(dinp.p, nullptr, dg.p, dx.p, dw.p, rstd.p, T, c, 0, dres.p);
+    expect_close<E>("rmsnorm_backward dres+", dinp.get(), rdi);
   }
 }
 
@@ -353,6 +375,14 @@ void check_linear(const char* label, int64_t t, int64_t ic, int64_t oc, bool off
   expect_close<E>(name, dweight.get(), rdw, 1e-5);
   std::snprintf(name, sizeof(name), "linear_bwd dbias(+=) %s", label);
   expect_close<E>(name, dbias.get(), rdb, 1e-5);
+  // Overwriting dinp (beta = 0): the NaN poison in it must not be read.
+  dinp.poison();
+  Vec rdo(t * ic, 0.f), scratch_w = prew;
+  ndt::cuda::linear_backward<E>(dinp.p, nullptr, nullptr, dg.p, dx.p, dw.p, t, ic, oc, 0,
+                                /*accumulate_dinp=*/false);
+  ndt::cpu::linear_backward(rdo.data(), scratch_w.data(), nullptr, g.data(), x.data(), w.data(), t, ic, oc);
+  std::snprintf(name, sizeof(name), "linear_bwd dinp(=) %s", label);
+  expect_close<E>(name, dinp.get(), rdo);
 }
 
 TYPED_TEST(CudaOps, Linear) {
