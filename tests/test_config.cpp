@@ -245,6 +245,9 @@ TEST(ConfigValidate, CrossFieldChecksNameKeys) {
       {{"parallel.order=tp-tp-ep-dp-pp"}, "parallel.order"},
       {{"parallel.virtual_stages=2"}, "parallel.virtual_stages"},
       {{"model.style=gpt2", "model.n_kv_heads=2"}, "style gpt2"},
+      {{"train.device=cuda", "model.d_model=64", "model.n_heads=4"},
+       "train.device cuda needs a head dim of 64 or 128 (the GPU attention kernels), got model.d_model / "
+       "model.n_heads = 64 / 4 = 16"},
   };
   for (const auto& c : cases) {
     auto r = parse_config_string("", c.overrides);

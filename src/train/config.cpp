@@ -616,6 +616,11 @@ Status validate_config(const Config& c) {
     return errf("train.precision must be auto, fp32 or bf16, got '{}'", t.precision);
   if (t.device == "cpu" && t.precision == "bf16")
     return errf("train.precision bf16 needs train.device cuda (the CPU engine computes in fp32)");
+  if (t.device == "cuda" && m.head_dim() != 64 && m.head_dim() != 128)
+    return errf(
+        "train.device cuda needs a head dim of 64 or 128 (the GPU attention kernels), got model.d_model / "
+        "model.n_heads = {} / {} = {}",
+        m.d_model, m.n_heads, m.head_dim());
 #ifndef NDT_HAVE_CUDA
   if (t.device == "cuda")
     return errf(

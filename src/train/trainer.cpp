@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "data/packing.h"
@@ -125,8 +126,11 @@ StepStats Trainer::train_step(int64_t step) {
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 #ifdef NDT_HAVE_CUDA
   if (engine_->params().device() == Device::CUDA) {
-    st.peak_mem_gib = cuda::memory_stats().peak_allocated_gib;
-    c_.world->all_reduce(&st.peak_mem_gib, 1, DType::F64, ReduceOp::Max);
+    // Every rank fills its own slot; a sum over the world gathers them (host buffers: over MPI).
+    st.peak_mem_gib_per_rank.assign(static_cast<size_t>(c_.world->size()), 0.0);
+    st.peak_mem_gib_per_rank[static_cast<size_t>(c_.world->rank())] = cuda::memory_stats().peak_allocated_gib;
+    c_.world->all_reduce(st.peak_mem_gib_per_rank.data(), c_.world->size(), DType::F64, ReduceOp::Sum);
+    st.peak_mem_gib = *std::max_element(st.peak_mem_gib_per_rank.begin(), st.peak_mem_gib_per_rank.end());
   }
 #endif
   history_.push_back(st);

@@ -40,6 +40,7 @@ struct StepStats {
   int64_t tokens = 0;  // loss-bearing tokens in the global batch
   double seconds = 0;
   double peak_mem_gib = 0;  // train.device cuda: peak device memory of live tensors so far, max over ranks
+  std::vector<double> peak_mem_gib_per_rank;  // the same per world rank (empty on the CPU)
 };
 
 struct EvalStats {

@@ -132,17 +132,17 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (logger) {
       train_curve.emplace_back(step, st.loss);
-      metrics
-          ->write({{"type", "train"},
-                   {"step", step},
-                   {"loss", st.loss},
-                   {"lr", st.lr},
-                   {"grad_norm", st.grad_norm},
-                   {"loss_tokens", st.tokens},
-                   {"step_seconds", st.seconds},
-                   {"peak_mem_gib", st.peak_mem_gib},
-                   {"elapsed_seconds", elapsed}})
-          .throw_if_error();
+      nlohmann::json rec = {{"type", "train"},
+                            {"step", step},
+                            {"loss", st.loss},
+                            {"lr", st.lr},
+                            {"grad_norm", st.grad_norm},
+                            {"loss_tokens", st.tokens},
+                            {"step_seconds", st.seconds},
+                            {"peak_mem_gib", st.peak_mem_gib},
+                            {"elapsed_seconds", elapsed}};
+      if (!st.peak_mem_gib_per_rank.empty()) rec["peak_mem_gib_per_rank"] = st.peak_mem_gib_per_rank;
+      metrics->write(rec).throw_if_error();
       if (step % tc.log_every == 0 || step == tc.steps - 1) {
         const double done = static_cast<double>(step + 1 - start_step_);
         const double tps = tokens_per_step * done / elapsed;

@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "cuda/runtime.h"
 #include "data/make_dataset.h"
 #include "gpu_test.h"
 #include "train/trainer.h"
@@ -28,14 +29,22 @@ Config small_config(const std::string& style, const std::vector<std::string>& ex
 struct TrainResult {
   std::vector<double> losses;
   std::vector<float> weights;
+  double peak_mem_gib = 0;
+  std::vector<double> peak_mem_gib_per_rank;
 };
 
 TrainResult train(const Config& cfg) {
   auto tok = make_tokenizer("byte").value();
   auto data = make_dataset(cfg.data, *tok, false).value();
+  cuda::reset_peak_memory();  // the high-water mark is per process; measure this run alone
   Trainer t(cfg, RunComms{}, *tok, *data, nullptr);
   TrainResult r;
-  for (int64_t s = 0; s < cfg.train.steps; ++s) r.losses.push_back(t.train_step(s).loss);
+  for (int64_t s = 0; s < cfg.train.steps; ++s) {
+    const StepStats st = t.train_step(s);
+    r.losses.push_back(st.loss);
+    r.peak_mem_gib = st.peak_mem_gib;
+    r.peak_mem_gib_per_rank = st.peak_mem_gib_per_rank;
+  }
   r.weights = t.params().flat_values().to_vector<float>();
   return r;
 }
@@ -71,6 +80,12 @@ TEST_P(GpuTrain, Fp32MatchesCpu) {
   EXPECT_LT(cpu.losses.back(), cpu.losses.front());
   ASSERT_EQ(cpu.weights.size(), gpu.weights.size());
   EXPECT_LT(rel_l2(gpu.weights, cpu.weights), 1e-4);
+  // Peak memory: reported on the GPU (one rank here), absent on the CPU.
+  EXPECT_EQ(cpu.peak_mem_gib, 0.0);
+  EXPECT_TRUE(cpu.peak_mem_gib_per_rank.empty());
+  ASSERT_EQ(gpu.peak_mem_gib_per_rank.size(), 1u);
+  EXPECT_GT(gpu.peak_mem_gib, 0.0);
+  EXPECT_EQ(gpu.peak_mem_gib_per_rank[0], gpu.peak_mem_gib);
 }
 
 TEST_P(GpuTrain, Bf16FollowsFp32) {
@@ -94,6 +109,9 @@ TEST(GpuTrainRecompute, SameLossesAsStoring) {
       train(small_config("llama", {"train.device=cuda", "train.precision=bf16", "train.recompute=true"}));
   EXPECT_DOUBLE_EQ(a.losses[0], b.losses[0]);
   for (size_t i = 1; i < a.losses.size(); ++i) EXPECT_NEAR(a.losses[i], b.losses[i], 1e-3 * a.losses[i]);
+  // ... and holds fewer activations at its peak.
+  std::printf("[info] peak memory: storing %.4f GiB, recomputing %.4f GiB\n", a.peak_mem_gib, b.peak_mem_gib);
+  EXPECT_LT(b.peak_mem_gib, a.peak_mem_gib);
 }
 
 INSTANTIATE_TEST_SUITE_P(Styles, GpuTrain,
