@@ -4,18 +4,6 @@
 namespace ndt::cuda {
 namespace {
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void store(float* p, float x) { *p = x; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
-
-template <typename E>
-__global__ void add_bias_rows_kernel(E* x, const E* bias, int64_t n, int64_t C) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    store(x + i, to_float(x[i]) + to_float(bias[i % C]));
-}
-
 __global__ void scale_mask_kernel(float* dloss, const float* mask, float scale, int64_t T) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < T) dloss[i] = scale * mask[i];
@@ -36,23 +24,7 @@ __global__ void masked_loss_sum_kernel(double* result, const float* logprob, con
   if (threadIdx.x == 0) *result += sm[0];
 }
 
-unsigned blocks_for(int64_t n, int threads) {
-  int64_t b = (n + threads - 1) / threads;
-  return static_cast<unsigned>(b < 1 ? 1 : (b > 65535 * 8 ? 65535 * 8 : b));
-}
-
 }  // namespace
-
-template <typename E>
-void add_bias_rows(E* x, const E* bias, int64_t T, int64_t C, cudaStream_t stream) {
-  const int64_t n = T * C;
-  if (n == 0) return;
-  add_bias_rows_kernel<E><<<blocks_for(n, 256), 256, 0, stream>>>(x, bias, n, C);
-  NDT_CUDA_CHECK_LAUNCH();
-}
-template void add_bias_rows<float>(float*, const float*, int64_t, int64_t, cudaStream_t);
-template void add_bias_rows<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, int64_t, int64_t,
-                                           cudaStream_t);
 
 void scale_mask(float* dloss, const float* mask, float scale, int64_t T, cudaStream_t stream) {
   if (T == 0) return;

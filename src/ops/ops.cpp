@@ -399,25 +399,6 @@ void add_(Tensor& y, const Tensor& x) {
 
 namespace ndt::ops {
 
-void add_bias(Tensor& x, const Tensor& bias) {
-  const int64_t C = bias.numel(), T = x.numel() / C;
-#ifdef NDT_HAVE_CUDA
-  if (on_cuda(x)) {
-    by_dtype(x, [&](auto tag_) {
-      using E = typename decltype(tag_)::type;
-      cuda::add_bias_rows<E>(dp<E>(x, "add_bias x"), dp<E>(bias, "bias"), T, C, st());
-    });
-    return;
-  }
-#endif
-  require_cpu(x, "add_bias");
-  float* px = x.f32();
-  const float* pb = bias.f32();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t c = 0; c < C; ++c) px[t * C + c] += pb[c];
-}
-
 void bias_backward(Tensor& dbias, const Tensor& dy) {
   const int64_t C = dbias.numel(), T = dy.numel() / C;
   NDT_ON_CUDA(dy, cuda::bias_backward<E>(dp<float>(dbias, "dbias"), dp<E>(dy, "dy"), T, C, st()));

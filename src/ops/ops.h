@@ -80,8 +80,7 @@ void add_(Tensor& y, const Tensor& x);
 }  // namespace ndt::ops
 
 namespace ndt::ops {
-// x(T, C) += bias(C) broadcast over rows; dbias(C) += column sums of dy(T, C).
-void add_bias(Tensor& x, const Tensor& bias);
+// dbias(C) += column sums of dy(T, C).
 void bias_backward(Tensor& dbias, const Tensor& dy);
 // Copy of rows [first, first + count) of a (T, ...) tensor.
 Tensor slice_rows(const Tensor& t, int64_t first, int64_t count);
