@@ -87,14 +87,14 @@ Runner add_verify(CLI::App& app) {
     }
     RunComms pc = layout.value()->comms();
     std::vector<std::pair<std::string, Tensor>> par_w;  // host copies (the runs may live on GPUs)
-    par.params().with_host_values([&] { par_w = gather_full_params(par.params(), *pc.tp); },
+    par.params().with_host_values([&] { par_w = gather_full_params(par.params(), *pc.tp, pc.ep); },
                                   /*write_back=*/false);
 
     bool ok = true;
     const bool logger = world.rank() == 0;
     if (logger) {
       std::printf("verify: %s against the single-process run, %lld steps%s\n",
-                  layout.value()->grid().describe().c_str(), static_cast<long long>(o->steps),
+                  layout.value()->describe().c_str(), static_cast<long long>(o->steps),
                   o->resume.empty()
                       ? ""
                       : (", resumed at step " + std::to_string(first) + " from " + o->resume).c_str());

@@ -172,4 +172,15 @@ void attention_merge(E* out, float* lse, const E* o, const float* l, int64_t row
 void cast(__nv_bfloat16* out, const float* in, int64_t n, cudaStream_t stream = 0);
 void cast(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t stream = 0);
 
+// ---- MoE row movement (contracts: ops.h moe_*; one block per output row, fixed order, no atomics) ----
+template <typename E>
+void moe_permute(E* out, const E* x, const int32_t* src, const float* scale, int64_t R, int64_t C,
+                 cudaStream_t stream = 0);
+template <typename E>
+void moe_unpermute(E* out, const E* y, const int32_t* pos, const float* gates, int64_t N, int64_t k, int64_t C,
+                   bool accumulate, cudaStream_t stream = 0);
+template <typename E>
+void moe_gate_grad(float* dgates, const E* dout, const E* y, const int32_t* pos, int64_t N, int64_t k, int64_t C,
+                   cudaStream_t stream = 0);
+
 }  // namespace ndt::cuda

@@ -46,11 +46,24 @@ Microbatch make_microbatch(const std::vector<Sample>& samples, int64_t seq_len, 
       }
     }
     cu[b + 1] = static_cast<int32_t>(off + seq_len);
+    mb.seq_real.push_back(static_cast<int32_t>(n));
   }
   mb.nseq = nseq;
   mb.max_seqlen = seq_len;
   mb.num_loss_tokens = nloss;
   return mb;
+}
+
+int64_t Microbatch::num_real_tokens() const {
+  int64_t n = 0;
+  for (int32_t r : seq_real) n += r;
+  return n;
+}
+
+int64_t Microbatch::num_real_seqs() const {
+  int64_t n = 0;
+  for (int32_t r : seq_real) n += r > 0;
+  return n;
 }
 
 namespace {

@@ -45,6 +45,12 @@ struct Microbatch {
   int64_t nseq = 0;
   int64_t max_seqlen = 0;
   int64_t num_loss_tokens = 0;  // sum of loss_mask
+  // Per sequence, its real (non-padding) inputs: positions [0, seq_real[s]) of sequence s are sample
+  // tokens, the rest padding (0 for a pad-only sequence). Layout-independent statistics (MoE load
+  // balancing) count real tokens and sequences only, since padding depends on the layout.
+  std::vector<int32_t> seq_real;
+  int64_t num_real_tokens() const;
+  int64_t num_real_seqs() const;
   int64_t num_tokens() const { return tokens.defined() ? tokens.numel() : 0; }
 };
 

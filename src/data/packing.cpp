@@ -30,7 +30,7 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, cons
   NDT_CHECK(layout.seq_multiple >= 1 && layout.stream_multiple % layout.seq_multiple == 0,
             "pack layout: stream multiple {} must be a multiple of the sequence multiple {}",
             layout.stream_multiple, layout.seq_multiple);
-  std::vector<int32_t> tokens, targets, positions, cu{0};
+  std::vector<int32_t> tokens, targets, positions, cu{0}, seq_real;
   std::vector<float> mask;
   int64_t max_len = 0, nloss = 0;
   // n inputs of `ids` (predicting ids[1..n]) then padding up to `padded` rows.
@@ -46,6 +46,7 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, cons
       nloss += loss;
     }
     cu.push_back(static_cast<int32_t>(tokens.size()));
+    seq_real.push_back(static_cast<int32_t>(n));
     max_len = std::max(max_len, padded);
   };
   for (size_t b = 0; b < samples.size(); ++b) {
@@ -73,6 +74,7 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, cons
   mb.nseq = static_cast<int64_t>(cu.size()) - 1;
   mb.max_seqlen = max_len;
   mb.num_loss_tokens = nloss;
+  mb.seq_real = std::move(seq_real);
   return mb;
 }
 

@@ -16,6 +16,9 @@ class CpHooks {
  public:
   virtual ~CpHooks() = default;
   virtual int size() const = 0;
+  // Sum over the CP group, in place (buffers on the model's device): per-sequence statistics whose
+  // tokens are spread over the CP ranks (MoE load balancing).
+  virtual void all_reduce_sum(float* buf, int64_t n) = 0;
   virtual void attention_forward(const Microbatch& mb, const Tensor& q, const Tensor& k, const Tensor& v,
                                  Tensor& out, Tensor& lse, float scale) = 0;
   virtual void attention_backward(const Microbatch& mb, const Tensor& dout, const Tensor& q, const Tensor& k,

@@ -101,14 +101,22 @@ int64_t ParamStore::local_numel() const {
   return n;
 }
 
-void ParamStore::flatten(int64_t align) {
-  offsets_.clear();
+void ParamStore::flatten(int64_t align, int64_t expert_align) {
+  offsets_.assign(params_.size(), 0);
   int64_t n = 0;
-  for (auto& p : params_) {
-    offsets_.push_back(n);
-    n += p->numel();
-  }
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!params_[i]->expert) {
+      offsets_[i] = n;
+      n += params_[i]->numel();
+    }
   n = (n + align - 1) / align * align;
+  expert_begin_ = n;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i]->expert) {
+      offsets_[i] = n;
+      n += params_[i]->numel();
+    }
+  if (n > expert_begin_) n = expert_begin_ + (n - expert_begin_ + expert_align - 1) / expert_align * expert_align;
   Tensor values = Tensor::zeros({n}), grads = Tensor::zeros({n});
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = *params_[i];

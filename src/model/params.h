@@ -25,6 +25,9 @@ struct Param {
   // False for a second copy of a parameter held elsewhere too (the tied embedding on the last pipeline
   // stage): the global grad norm counts each parameter once.
   bool count_in_norm = true;
+  // A routed-expert weight (E, ...): dim 0 sharded over the EP group (shard_dim 0 when ep > 1), replicated
+  // over TP, its gradient reduced over the expert-data-parallel group instead of DP x CP.
+  bool expert = false;
   InitKind init = InitKind::Normal;
   float init_std = 0.02f;
   Tensor value;  // local slice (fp32 master weights)
@@ -56,8 +59,11 @@ class ParamStore {
   int64_t local_numel() const;
   // Moves every value and grad into one flat buffer each (params become views, in registration order,
   // each starting at Param offset), padded to a multiple of `align` elements. Flat buffers make
-  // bucketed gradient reduction and ZeRO-1 sharding plain slicing.
-  void flatten(int64_t align = 1);
+  // bucketed gradient reduction and ZeRO-1 sharding plain slicing. Expert params (Param::expert) go
+  // after all others, from expert_begin() (a multiple of `align`), padded to a multiple of
+  // `expert_align`: the two regions are reduced and ZeRO-sharded over different groups.
+  void flatten(int64_t align = 1, int64_t expert_align = 1);
+  int64_t expert_begin() const { return expert_begin_; }
   Tensor& flat_values() { return flat_values_; }
   Tensor& flat_grads() { return flat_grads_; }
   // The bf16 compute copy of flat_values (undefined when compute_dtype() is F32).
@@ -81,6 +87,7 @@ class ParamStore {
  private:
   std::vector<std::unique_ptr<Param>> params_;
   std::vector<int64_t> offsets_;
+  int64_t expert_begin_ = 0;
   Tensor flat_values_, flat_grads_, flat_compute_;
   Device device_ = Device::CPU;
   DType compute_dtype_ = DType::F32;

@@ -9,7 +9,7 @@
 
 namespace ndt {
 
-Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, ParamStore* store)
+Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, ParamStore* store, EpHooks* ep)
     : cfg_(cfg), stage_(stage), tp_(tp ? tp : &default_tp_), ps_(store ? store : &own_params_) {
   ParamStore& params_ = *ps_;
   if (stage_.last_layer < 0) stage_.last_layer = cfg_.n_layers;
@@ -41,6 +41,16 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, P
     params_.add(n + ".weight", {C, in}, InitKind::Normal, s, true, 1, tps, r);
     if (gpt2) params_.add(n + ".bias", {C}, InitKind::Zeros, 0, false);
   };
+  auto mlp = [&](const std::string& prefix, int64_t width) {
+    if (gpt2) {
+      col(prefix + "fc", width, std);
+      row(prefix + "proj", width, proj_std);
+    } else {
+      col(prefix + "w1", width, std);
+      col(prefix + "w3", width, std);
+      row(prefix + "w2", width, proj_std);
+    }
+  };
 
   if (stage_.has_embedding || (stage_.has_head && cfg_.tied()))
     params_.add("embed.tokens.weight", {V, C}, InitKind::Normal, std, true, 0, tps, r);
@@ -56,19 +66,36 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, P
     col(pre + "attn.wv", KV * D, std);
     row(pre + "attn.wo", H * D, proj_std);
     norm(pre + "mlp_norm");
-    if (gpt2) {
-      col(pre + "mlp.fc", F, std);
-      row(pre + "mlp.proj", F, proj_std);
-    } else {
-      col(pre + "mlp.w1", F, std);
-      col(pre + "mlp.w3", F, std);
-      row(pre + "mlp.w2", F, proj_std);
+    if (!cfg_.is_moe_layer(l)) {
+      mlp(pre + "mlp.", F);
+      continue;
+    }
+    moe_[l] = std::make_unique<MoeLayer>(cfg_, pre + "mlp.", params_, ep);
+    // Per-sequence statistics are summed over the ranks holding one sequence's tokens: CP, and TP under SP.
+    moe_[l]->set_seq_reduce([this](float* buf, int64_t n) {
+      if (!cp_ && !tp_->sequence_parallel()) return;
+      Tensor t = Tensor::from_vector(std::vector<float>(buf, buf + n), {n});
+      if (ps_->device() != Device::CPU) t = t.to(ps_->device());
+      if (cp_) cp_->all_reduce_sum(t.f32(), n);
+      if (tp_->sequence_parallel()) tp_->all_reduce_sum(t.f32(), n);
+      const std::vector<float> r = t.to_vector<float>();
+      std::copy(r.begin(), r.end(), buf);
+    });
+    if (const int64_t Fs = cfg_.moe.shared_experts * cfg_.expert_ffn_dim(); Fs > 0) {
+      NDT_CHECK(Fs % tps == 0, "tp={} must divide the shared experts' width {}", tps, Fs);
+      shared_local_ = Fs / tps;
+      mlp(pre + "mlp.shared.", Fs);
     }
   }
   if (stage_.has_head) {
     norm("final_norm");
     if (!cfg_.tied()) params_.add("lm_head.weight", {V, C}, InitKind::Normal, std, true, 0, tps, r);
   }
+}
+
+void Transformer::set_moe_context(MoeStepContext* ctx) {
+  moe_ctx_ = ctx;
+  for (auto& [l, m] : moe_) m->set_context(ctx);
 }
 
 const Tensor* Transformer::bias(const std::string& name) {
@@ -134,56 +161,78 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   a.h = ops::add(x, o, bias(pre + "attn.wo.bias"));  // bias after the TP reduction, fused with the residual
 
   norm_forward(pre + "mlp_norm", a.h, a.n2, a.n2_mean, a.n2_rstd);
+  auto it = moe_.find(l);
+  if (it == moe_.end()) return ops::add(a.h, mlp_forward(pre + "mlp.", ffn_local_, a), bias(pre + "mlp.proj.bias"));
+  // MoE: routed experts on this rank's residual rows (experts are not split over TP), plus shared experts
+  // as a TP-parallel dense MLP.
+  Tensor routed = it->second->forward(mb, tp_->local_tokens(mb.num_tokens()).first, a.n2, a.moe);
+  if (shared_local_ == 0) return ops::add(a.h, routed);
+  Tensor shared = mlp_forward(pre + "mlp.shared.", shared_local_, a);
+  return ops::add(a.h, ops::add(routed, shared, bias(pre + "mlp.shared.proj.bias")));
+}
+
+Tensor Transformer::mlp_forward(const std::string& prefix, int64_t fl, LayerActs& a) {
   a.m_in = tp_->enter_forward(a.n2);
-  a.fc1 = act({T, ffn_local_});
-  a.act = act({T, ffn_local_});
+  const int64_t T = a.m_in.size(0), C = cfg_.d_model;
+  a.fc1 = act({T, fl});
+  a.act = act({T, fl});
   Tensor m_partial = act({T, C});
   if (cfg_.is_gpt2()) {
-    ops::linear_forward(a.fc1, a.m_in, p(pre + "mlp.fc.weight").compute_value(), bias(pre + "mlp.fc.bias"));
+    ops::linear_forward(a.fc1, a.m_in, p(prefix + "fc.weight").compute_value(), bias(prefix + "fc.bias"));
     ops::gelu_forward(a.act, a.fc1);
-    ops::linear_forward(m_partial, a.act, p(pre + "mlp.proj.weight").compute_value(), nullptr);
+    ops::linear_forward(m_partial, a.act, p(prefix + "proj.weight").compute_value(), nullptr);
   } else {
-    a.fc3 = act({T, ffn_local_});
-    ops::linear_forward(a.fc1, a.m_in, p(pre + "mlp.w1.weight").compute_value(), nullptr);
-    ops::linear_forward(a.fc3, a.m_in, p(pre + "mlp.w3.weight").compute_value(), nullptr);
+    a.fc3 = act({T, fl});
+    ops::linear_forward(a.fc1, a.m_in, p(prefix + "w1.weight").compute_value(), nullptr);
+    ops::linear_forward(a.fc3, a.m_in, p(prefix + "w3.weight").compute_value(), nullptr);
     ops::swiglu_forward(a.act, a.fc1, a.fc3);
-    ops::linear_forward(m_partial, a.act, p(pre + "mlp.w2.weight").compute_value(), nullptr);
+    ops::linear_forward(m_partial, a.act, p(prefix + "w2.weight").compute_value(), nullptr);
   }
-  Tensor m = tp_->exit_forward(m_partial);
-  return ops::add(a.h, m, bias(pre + "mlp.proj.bias"));
+  return tp_->exit_forward(m_partial);
+}
+
+Tensor Transformer::mlp_backward(const std::string& prefix, int64_t fl, const Tensor& dout, LayerActs& a) {
+  const int64_t C = cfg_.d_model, T = a.m_in.size(0);
+  if (Param* b = ps_->find(prefix + "proj.bias")) ops::bias_backward(b->grad, dout);
+  Tensor dm = tp_->exit_backward(dout);  // (T, C)
+  // Activation gradients start uninitialized: their first op overwrites (accumulate = false), the rest add.
+  Tensor dact = act({T, fl});
+  Tensor dm_in = act({T, C});
+  Tensor dfc1 = act({T, fl});
+  if (cfg_.is_gpt2()) {
+    Param& w2 = p(prefix + "proj.weight");
+    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value(), /*accumulate_dinp=*/false);
+    ops::gelu_backward(dfc1, dact, a.fc1, /*accumulate=*/false);
+    Param& w1 = p(prefix + "fc.weight");
+    ops::linear_backward(&dm_in, w1.grad, &p(prefix + "fc.bias").grad, dfc1, a.m_in, w1.compute_value(),
+                         /*accumulate_dinp=*/false);
+  } else {
+    Param& w2 = p(prefix + "w2.weight");
+    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value(), /*accumulate_dinp=*/false);
+    Tensor dfc3 = act({T, fl});
+    ops::swiglu_backward(dfc1, dfc3, dact, a.fc1, a.fc3, /*accumulate=*/false);
+    Param& w1 = p(prefix + "w1.weight");
+    Param& w3 = p(prefix + "w3.weight");
+    ops::linear_backward(&dm_in, w1.grad, nullptr, dfc1, a.m_in, w1.compute_value(),
+                         /*accumulate_dinp=*/false);
+    ops::linear_backward(&dm_in, w3.grad, nullptr, dfc3, a.m_in, w3.compute_value());
+  }
+  return tp_->enter_backward(dm_in);
 }
 
 Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor& dout, LayerActs& a) {
   const std::string pre = lp(l);
   const int64_t D = cfg_.head_dim(), C = cfg_.d_model, T = a.a_in.size(0);
   const float theta = static_cast<float>(cfg_.rope_theta);
-  // MLP branch: out = h + exit(act @ W2^T) (+ bias).
+  // MLP branch: out = h + exit(act @ W2^T) (+ bias) [+ routed experts].
   Tensor dh = act(dout.shape());  // = dout + the MLP norm's input gradient (written by norm_backward)
-  if (Param* b = ps_->find(pre + "mlp.proj.bias")) ops::bias_backward(b->grad, dout);
-  Tensor dm = tp_->exit_backward(dout);  // (T, C)
-  // Activation gradients start uninitialized: their first op overwrites (accumulate = false), the rest add.
-  Tensor dact = act({T, ffn_local_});
-  Tensor dm_in = act({T, C});
-  Tensor dfc1 = act({T, ffn_local_});
-  if (cfg_.is_gpt2()) {
-    Param& w2 = p(pre + "mlp.proj.weight");
-    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value(), /*accumulate_dinp=*/false);
-    ops::gelu_backward(dfc1, dact, a.fc1, /*accumulate=*/false);
-    Param& w1 = p(pre + "mlp.fc.weight");
-    ops::linear_backward(&dm_in, w1.grad, &p(pre + "mlp.fc.bias").grad, dfc1, a.m_in, w1.compute_value(),
-                         /*accumulate_dinp=*/false);
+  Tensor dn2;
+  if (auto it = moe_.find(l); it == moe_.end()) {
+    dn2 = mlp_backward(pre + "mlp.", ffn_local_, dout, a);
   } else {
-    Param& w2 = p(pre + "mlp.w2.weight");
-    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value(), /*accumulate_dinp=*/false);
-    Tensor dfc3 = act({T, ffn_local_});
-    ops::swiglu_backward(dfc1, dfc3, dact, a.fc1, a.fc3, /*accumulate=*/false);
-    Param& w1 = p(pre + "mlp.w1.weight");
-    Param& w3 = p(pre + "mlp.w3.weight");
-    ops::linear_backward(&dm_in, w1.grad, nullptr, dfc1, a.m_in, w1.compute_value(),
-                         /*accumulate_dinp=*/false);
-    ops::linear_backward(&dm_in, w3.grad, nullptr, dfc3, a.m_in, w3.compute_value());
+    dn2 = it->second->backward(dout, a.moe);
+    if (shared_local_ > 0) ops::add_(dn2, mlp_backward(pre + "mlp.shared.", shared_local_, dout, a));
   }
-  Tensor dn2 = tp_->enter_backward(dm_in);
   norm_backward(pre + "mlp_norm", dh, dn2, a.h, a.n2_mean, a.n2_rstd, &dout);
 
   // Attention branch: h = x + exit(att @ Wo^T) (+ bias).
@@ -313,7 +362,11 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
     LayerActs& a = acts.layers[static_cast<size_t>(l - stage_.first_layer)];
     if (recompute_) {
       const Tensor x = a.x_in;
-      layer_forward(l, mb, x, a);  // the same computation as in forward, so the same values
+      // The same computation as in forward, so the same values; MoE statistics were counted then.
+      const bool record = moe_ctx_ && moe_ctx_->record;
+      if (record) moe_ctx_->record = false;
+      layer_forward(l, mb, x, a);
+      if (record) moe_ctx_->record = true;
     }
     dx = layer_backward(l, mb, dx, a);
     a = LayerActs();  // this layer's activations are dead: free them before the next layer's backward

@@ -7,12 +7,15 @@
 // Data layout is THD: all sequences of a microbatch end to end, T tokens, with cu_seqlens.
 // Under sequence parallelism the residual stream holds this rank's Tl = T/tp tokens; otherwise Tl = T.
 #include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
 #include "core/tensor.h"
 #include "data/dataset.h"
 #include "model/cp_hooks.h"
+#include "model/ep_hooks.h"
+#include "model/moe.h"
 #include "model/params.h"
 #include "model/tp_hooks.h"
 #include "train/config.h"
@@ -37,6 +40,7 @@ struct LayerActs {
   Tensor m_in;                  // (T, C)
   Tensor fc1, fc3;              // (T, Fl): gpt2 pre-GELU / llama gate; llama up
   Tensor act;                   // (T, Fl) activation output
+  MoeActs moe;                  // MoE layers: the routed experts (fc1/fc3/act then hold the shared experts)
 };
 
 struct Activations {
@@ -54,11 +58,17 @@ class Transformer {
   // tp may be null (one rank). Parameters are registered with TP shapes but not initialized: call
   // params().init(seed). `store`, when given, receives the parameters instead of an own store, so the
   // model chunks a pipeline rank holds can share one store (and one optimizer).
-  Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, ParamStore* store = nullptr);
+  // ep (may be null: one rank) holds this rank's share of the routed experts of MoE layers.
+  Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, ParamStore* store = nullptr,
+              EpHooks* ep = nullptr);
 
   ParamStore& params() { return *ps_; }
   // Context parallelism: attention goes through `cp` (not owned; null = local attention).
   void set_cp(CpHooks* cp) { cp_ = cp; }
+  // MoE: the step's normalisers and statistics switch (not owned; null = no aux/z gradient, no stats).
+  void set_moe_context(MoeStepContext* ctx);
+  // The MoE layers of this stage by global layer index.
+  const std::map<int64_t, std::unique_ptr<MoeLayer>>& moe_layers() const { return moe_; }
   // Activation recomputation: forward keeps only each layer's input; backward reruns the layer's forward
   // before its backward (same values, so the same gradients) for less activation memory.
   void set_recompute(bool on) { recompute_ = on; }
@@ -95,6 +105,11 @@ class Transformer {
  private:
   Tensor layer_forward(int64_t l, const Microbatch& mb, const Tensor& x, LayerActs& a);
   Tensor layer_backward(int64_t l, const Microbatch& mb, const Tensor& dout, LayerActs& a);
+  // The dense MLP (or an MoE layer's shared experts) under `prefix` with local width fl: the norm output
+  // a.n2 -> the TP-reduced block output without its output bias; backward returns the norm-output grad.
+  Tensor mlp_forward(const std::string& prefix, int64_t fl, LayerActs& a);
+  Tensor mlp_backward(const std::string& prefix, int64_t fl, const Tensor& dout, LayerActs& a);
+  void mlp_params(const std::string& prefix, int64_t width);
   void norm_forward(const std::string& prefix, const Tensor& x, Tensor& out, Tensor& mean, Tensor& rstd);
   // dx += norm input gradient; with dres, dx = *dres + norm input gradient (dx fresh, not read).
   void norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x,
@@ -117,6 +132,9 @@ class Transformer {
   ParamStore own_params_;
   ParamStore* ps_;
   int64_t heads_local_, kv_local_, ffn_local_, vocab_local_, vocab_start_;
+  int64_t shared_local_ = 0;  // MoE shared experts' hidden width on this TP rank
+  std::map<int64_t, std::unique_ptr<MoeLayer>> moe_;
+  MoeStepContext* moe_ctx_ = nullptr;
 };
 
 }  // namespace ndt

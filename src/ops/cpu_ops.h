@@ -118,4 +118,11 @@ void scale_inplace(float* x, float s, int64_t n);
 // y += x
 void add_inplace(float* y, const float* x, int64_t n);
 
+// MoE row movement (contracts in ops.h).
+void moe_permute(float* out, const float* x, const int32_t* src, const float* scale, int64_t R, int64_t C);
+void moe_unpermute(float* out, const float* y, const int32_t* pos, const float* gates, int64_t N, int64_t k,
+                   int64_t C, bool accumulate);
+void moe_gate_grad(float* dgates, const float* dout, const float* y, const int32_t* pos, int64_t N, int64_t k,
+                   int64_t C);
+
 }  // namespace ndt::cpu

@@ -611,3 +611,71 @@ Tensor to_host_f32(const Tensor& t) {
 }
 
 }  // namespace ndt::ops
+
+namespace ndt::ops {
+
+void moe_permute(Tensor& out, const Tensor& x, const Tensor& src, const Tensor* scale) {
+  const int64_t R = src.numel(), C = x.size(-1);
+  require_shape(out, {R, C}, "moe_permute out");
+  NDT_CHECK(src.dtype() == DType::I32 && (!scale || scale->numel() == R), "moe_permute: src i32 (R), scale (R)");
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(x)) {
+    if (R == 0) return;
+    Tensor k1, k2;
+    by_dtype(x, [&](auto tag_) {
+      using E = typename decltype(tag_)::type;
+      cuda::moe_permute<E>(dp<E>(out, "moe_permute out"), dp<E>(x, "moe_permute x"), dev_meta<int32_t>(src, k1),
+                           scale ? dev_meta<float>(*scale, k2) : nullptr, R, C, st());
+    });
+    return;
+  }
+#endif
+  require_cpu(x, "moe_permute");
+  cpu::moe_permute(out.f32(), x.f32(), src.i32(), scale ? scale->f32() : nullptr, R, C);
+}
+
+void moe_unpermute(Tensor& out, const Tensor& y, const Tensor& pos, const Tensor* gates, int64_t k,
+                   bool accumulate) {
+  const int64_t N = out.size(0), C = out.size(-1);
+  NDT_CHECK(pos.numel() == N * k && pos.dtype() == DType::I32 && (!gates || gates->numel() == N * k),
+            "moe_unpermute: pos i32 and gates of N*k = {} entries", N * k);
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(out)) {
+    if (N == 0) return;
+    Tensor k1, k2;
+    by_dtype(out, [&](auto tag_) {
+      using E = typename decltype(tag_)::type;
+      cuda::moe_unpermute<E>(dp<E>(out, "moe_unpermute out"), y.numel() ? dp<E>(y, "moe_unpermute y") : nullptr,
+                             dev_meta<int32_t>(pos, k1), gates ? dev_meta<float>(*gates, k2) : nullptr, N, k, C,
+                             accumulate, st());
+    });
+    return;
+  }
+#endif
+  require_cpu(out, "moe_unpermute");
+  cpu::moe_unpermute(out.f32(), y.numel() ? y.f32() : nullptr, pos.i32(), gates ? gates->f32() : nullptr, N, k, C,
+                     accumulate);
+}
+
+void moe_gate_grad(Tensor& dgates, const Tensor& dout, const Tensor& y, const Tensor& pos, int64_t k) {
+  const int64_t N = dout.size(0), C = dout.size(-1);
+  NDT_CHECK(dgates.numel() == N * k && dgates.dtype() == DType::F32 && pos.numel() == N * k,
+            "moe_gate_grad: dgates f32 and pos of N*k = {} entries", N * k);
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(dout)) {
+    if (N == 0) return;
+    Tensor k1;
+    by_dtype(dout, [&](auto tag_) {
+      using E = typename decltype(tag_)::type;
+      cuda::moe_gate_grad<E>(dp<float>(dgates, "moe_gate_grad dgates"), dp<E>(dout, "moe_gate_grad dout"),
+                             y.numel() ? dp<E>(y, "moe_gate_grad y") : nullptr, dev_meta<int32_t>(pos, k1), N, k,
+                             C, st());
+    });
+    return;
+  }
+#endif
+  require_cpu(dout, "moe_gate_grad");
+  cpu::moe_gate_grad(dgates.f32(), dout.f32(), y.numel() ? y.f32() : nullptr, pos.i32(), N, k, C);
+}
+
+}  // namespace ndt::ops

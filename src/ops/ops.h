@@ -116,3 +116,15 @@ void cast_into(Tensor& dst, const Tensor& src);
 // A CPU f32 copy of t (t itself when it is one already): host-side reads of device results.
 Tensor to_host_f32(const Tensor& t);
 }  // namespace ndt::ops
+
+namespace ndt::ops {
+// ---- Mixture-of-Experts row movement (model/moe.h). Index/gate tensors may live on the host. ----
+// out(R, C): out[i] = x[src[i]] * (scale ? scale[i] : 1); src (R) i32, scale (R) f32.
+void moe_permute(Tensor& out, const Tensor& x, const Tensor& src, const Tensor* scale);
+// out(N, C) = (out +) sum over j = 0..k-1 with pos[t*k + j] >= 0 of (gates ? gates[t*k + j] : 1) *
+// y[pos[t*k + j]], added in slot order; pos (N*k) i32, gates (N*k) f32. accumulate = false overwrites out.
+void moe_unpermute(Tensor& out, const Tensor& y, const Tensor& pos, const Tensor* gates, int64_t k,
+                   bool accumulate);
+// dgates(N*k) f32 = dot(dout[t], y[pos[t*k + j]]) (0 where pos < 0), on dout's device.
+void moe_gate_grad(Tensor& dgates, const Tensor& dout, const Tensor& y, const Tensor& pos, int64_t k);
+}  // namespace ndt::ops

@@ -13,7 +13,9 @@ namespace {
 
 GridSpec spec_of(const ParallelConfig& p) {
   GridSpec s;
-  s.sizes = {{"tp", p.tp}, {"cp", p.cp}, {"ep", p.ep}, {"dp", p.dp}, {"pp", p.pp}};
+  // EP folds onto the DP x CP ranks instead of multiplying the world size: the grid's ep axis stays 1 and
+  // the EP groups are cut out of the DP x CP group (Layout::create).
+  s.sizes = {{"tp", p.tp}, {"cp", p.cp}, {"ep", 1}, {"dp", p.dp}, {"pp", p.pp}};
   s.order = p.order;
   return s;
 }
@@ -37,7 +39,13 @@ Status validate_layout(const Config& cfg, int world_size) {
   Status st = Grid::validate(world_size, spec_of(p), div_of(cfg));
   if (!st) return st;
   const std::string layout = fmt::format("tp={} cp={} ep={} dp={} pp={}", p.tp, p.cp, p.ep, p.dp, p.pp);
-  if (p.ep > 1) return Status::error("layout " + layout + ": expert parallelism is not available yet");
+  if (p.ep > 1 && (p.dp * p.cp) % p.ep != 0)
+    return Status::error(fmt::format("layout {}: parallel.ep = {} must divide dp * cp = {} (experts are sharded "
+                                     "over the data x context parallel ranks)",
+                                     layout, p.ep, p.dp * p.cp));
+  if (p.ep > 1 && cfg.model.moe.num_experts % p.ep != 0)
+    return Status::error(fmt::format("layout {}: model.moe.num_experts = {} is not divisible by parallel.ep = {}",
+                                     layout, cfg.model.moe.num_experts, p.ep));
   if (p.cp > 1 && cfg.data.seq_len % (2 * p.cp) != 0)
     return Status::error(
         fmt::format("context parallelism cuts each sequence into 2*cp = {} chunks: data.seq_len ({}) must be "
@@ -91,13 +99,39 @@ Result<std::unique_ptr<Layout>> Layout::create(const Config& cfg, Communicator& 
       Communicator& mpi = l->grid_->comm(std::vector<std::string>(dims.begin(), dims.end()));
       l->device_comms_[name] = make_nccl_communicator(mpi, dev);
     }
+    l->make_expert_groups(cfg.parallel.ep);
+    l->device_comms_["ep"] = make_nccl_communicator(*l->ep_, dev);
+    l->device_comms_["edp"] = make_nccl_communicator(*l->edp_, dev);
 #else
     return Status::error("train.device is cuda but this ndtrain was built without NCCL");
 #endif
   }
+  if (!l->ep_) l->make_expert_groups(cfg.parallel.ep);
+  if (cfg.parallel.ep > 1) l->ep_hooks_ = std::make_unique<CommEpHooks>(*l->ep_, l->expert_group("ep"));
   if (cfg.parallel.tp > 1)
     l->tp_hooks_ = std::make_unique<CommTpHooks>(l->group("tp", {"tp"}), cfg.parallel.sequence_parallel);
   return l;
+}
+
+void Layout::make_expert_groups(int64_t ep) {
+  // DP x CP group rank g (cp innermost, as the grid orders them): EP groups are blocks of ep consecutive
+  // ranks, expert-data-parallel groups take every ep-th rank (Megatron's convention).
+  Communicator& grad = grid_->comm({"dp", "cp"});
+  const int g = grad.rank();
+  ep_ = grad.split(static_cast<int>(g / ep), g);
+  edp_ = grad.split(static_cast<int>(g % ep), g);
+}
+
+Communicator& Layout::expert_group(const std::string& name) {
+  auto it = device_comms_.find(name);
+  return it != device_comms_.end() ? *it->second : (name == "ep" ? *ep_ : *edp_);
+}
+
+std::string Layout::describe() const {
+  std::string d = grid_->describe();
+  const std::string one = "ep=1";
+  if (auto at = d.find(one); at != std::string::npos) d.replace(at, one.size(), fmt::format("ep={}", ep_->size()));
+  return d;
 }
 
 Communicator& Layout::group(const std::string& name, std::initializer_list<std::string> dims) {
@@ -114,6 +148,9 @@ RunComms Layout::comms() {
   c.tp = &group("tp", {"tp"});
   c.pp = &group("pp", {"pp"});
   c.tp_hooks = tp_hooks_.get();
+  c.ep = &expert_group("ep");
+  c.expert_dp = &expert_group("edp");
+  c.ep_hooks = ep_hooks_.get();
   return c;
 }
 

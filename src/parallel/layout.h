@@ -8,6 +8,7 @@
 #include <string>
 
 #include "dist/grid.h"
+#include "parallel/ep/comm_ep_hooks.h"
 #include "parallel/tp/comm_tp_hooks.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -22,11 +23,17 @@ class Layout {
   Grid& grid() { return *grid_; }
   Communicator& world() { return *world_; }
   bool is_logger() const { return world_->rank() == 0; }
+  std::string describe() const;  // "tp=2 cp=1 ep=2 dp=2 pp=1"
 
  private:
   Communicator* world_ = nullptr;
   std::unique_ptr<Grid> grid_;
   std::unique_ptr<CommTpHooks> tp_hooks_;
+  // Expert parallelism: EP and expert-data-parallel groups cut out of DP x CP (host/MPI communicators).
+  std::unique_ptr<Communicator> ep_, edp_;
+  std::unique_ptr<CommEpHooks> ep_hooks_;
+  void make_expert_groups(int64_t ep);
+  Communicator& expert_group(const std::string& name);  // the device communicator when there is one
   // train.device cuda: NCCL communicators over the grid's groups (host buffers still go over MPI).
   std::map<std::string, std::unique_ptr<Communicator>> device_comms_;
   Communicator& group(const std::string& name, std::initializer_list<std::string> dims);

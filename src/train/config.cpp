@@ -89,6 +89,9 @@ const std::vector<KeyDef>& schema() {
   auto d = [](auto D::*f) { return member(&Config::data, f); };
   auto t = [](auto T::*f) { return member(&Config::train, f); };
   auto p = [](auto P::*f) { return member(&Config::parallel, f); };
+  auto moe = [](auto MoeConfig::*f) -> std::function<FieldRef(Config&)> {
+    return [f](Config& c) -> FieldRef { return &(c.model.moe.*f); };
+  };
   static const std::vector<KeyDef> rows = {
       str_key("model.style", {"gpt2", "llama"}, m(&M::style)),
       int_key("model.vocab_size", 1, 1LL << 31, m(&M::vocab_size)),
@@ -102,6 +105,18 @@ const std::vector<KeyDef>& schema() {
       float_key("model.norm_eps", 0, 1, m(&M::norm_eps)),
       int_key("model.tie_embeddings", -1, 1, m(&M::tie_embeddings)),
       float_key("model.init_std", 0, 10, m(&M::init_std)),
+      int_key("model.moe.num_experts", 0, 65536, moe(&MoeConfig::num_experts)),
+      int_key("model.moe.top_k", 1, 65536, moe(&MoeConfig::top_k)),
+      int_key("model.moe.d_ff_expert", 0, 1 << 22, moe(&MoeConfig::d_ff_expert)),
+      int_key("model.moe.shared_experts", 0, 1024, moe(&MoeConfig::shared_experts)),
+      int_key("model.moe.first_dense", 0, 4096, moe(&MoeConfig::first_dense)),
+      int_key("model.moe.every", 1, 4096, moe(&MoeConfig::every)),
+      str_key("model.moe.router", {"softmax", "sigmoid"}, moe(&MoeConfig::router)),
+      bool_key("model.moe.renormalize", moe(&MoeConfig::renormalize)),
+      float_key("model.moe.aux_loss_coef", 0, kInf, moe(&MoeConfig::aux_loss_coef)),
+      float_key("model.moe.z_loss_coef", 0, kInf, moe(&MoeConfig::z_loss_coef)),
+      float_key("model.moe.bias_update_rate", 0, kInf, moe(&MoeConfig::bias_update_rate)),
+      float_key("model.moe.capacity_factor", 0, kInf, moe(&MoeConfig::capacity_factor)),
 
       str_key("data.task", {"addition", "lm", "shards", "sft"}, d(&D::task)),
       str_key("data.path", {}, d(&D::path)),
@@ -585,6 +600,25 @@ Status validate_config(const Config& c) {
                 m.head_dim());
   if (d.seq_len > m.max_seq_len)
     return errf("data.seq_len ({}) must be <= model.max_seq_len ({})", d.seq_len, m.max_seq_len);
+  if (const MoeConfig& e = m.moe; e.enabled()) {
+    if (e.top_k > e.num_experts)
+      return errf("model.moe.top_k ({}) must be <= model.moe.num_experts ({})", e.top_k, e.num_experts);
+    if (e.router != "softmax" && e.router != "sigmoid")
+      return errf("model.moe.router must be softmax or sigmoid, got '{}'", e.router);
+    if (e.every < 1) return errf("model.moe.every must be >= 1, got {}", e.every);
+    if (e.first_dense >= m.n_layers)
+      return errf("model.moe.first_dense ({}) leaves no MoE layer in model.n_layers = {}", e.first_dense,
+                  m.n_layers);
+    if (e.num_experts % p.ep != 0)
+      return errf("model.moe.num_experts ({}) must be divisible by parallel.ep ({})", e.num_experts, p.ep);
+  } else if (p.ep > 1) {
+    return errf("parallel.ep = {} needs a Mixture-of-Experts model (set model.moe.num_experts)", p.ep);
+  }
+  if (p.ep > 1 && (p.dp * p.cp) % p.ep != 0)
+    return errf(
+        "parallel.ep ({}) must divide parallel.dp * parallel.cp = {} * {} = {} (experts are sharded over the "
+        "data x context parallel ranks)",
+        p.ep, p.dp, p.cp, p.dp * p.cp);
 
   if (d.task != "addition" && d.task != "lm" && d.task != "shards" && d.task != "sft")
     return errf("data.task must be one of addition, lm, shards, sft, got '{}'", d.task);
@@ -665,15 +699,23 @@ std::string config_to_yaml(const Config& c) {
   Config copy = c;  // the schema hands out mutable refs; read through a copy
   std::string out =
       fmt::format("# effective config (source: {})\n", c.source.empty() ? "<defaults>" : c.source);
-  std::string section;
+  std::string section, subsection;
   for (const auto& k : schema()) {
     const std::string name = k.name;
-    const auto dot = name.find('.');
-    const std::string sec = name.substr(0, dot), leaf = name.substr(dot + 1);
+    const auto dot = name.find('.'), last = name.rfind('.');
+    const std::string sec = name.substr(0, dot), leaf = name.substr(last + 1);
+    // A key two levels down (model.moe.top_k) is written under a nested mapping.
+    const std::string sub = last > dot ? name.substr(dot + 1, last - dot - 1) : "";
     if (sec != section) {
       out += sec + ":\n";
       section = sec;
+      subsection.clear();
     }
+    if (sub != subsection) {
+      if (!sub.empty()) out += "  " + sub + ":\n";
+      subsection = sub;
+    }
+    const std::string indent = sub.empty() ? "  " : "    ";
     std::string value;
     FieldRef ref = k.field(copy);
     std::visit(
@@ -697,11 +739,13 @@ std::string config_to_yaml(const Config& c) {
     if (name == "model.n_kv_heads" && c.model.n_kv_heads == 0)
       note = fmt::format("  # = {}", c.model.kv_heads());
     if (name == "model.d_ff" && c.model.d_ff == 0) note = fmt::format("  # = {}", c.model.ffn_dim());
+    if (name == "model.moe.d_ff_expert" && c.model.moe.enabled() && c.model.moe.d_ff_expert == 0)
+      note = fmt::format("  # = {}", c.model.expert_ffn_dim());
     if (name == "model.tie_embeddings" && c.model.tie_embeddings < 0)
       note = fmt::format("  # = {}", c.model.tied() ? "tied" : "untied");
     if (name == "train.micro_batch" && c.train.micro_batch == 0 && c.parallel.dp > 0)
       note = fmt::format("  # = {}", c.train.global_batch / c.parallel.dp);
-    out += fmt::format("  {}: {}{}\n", leaf, value, note);
+    out += fmt::format("{}{}: {}{}\n", indent, leaf, value, note);
   }
   return out;
 }

@@ -10,6 +10,23 @@
 
 namespace ndt {
 
+// Mixture-of-Experts feed-forward layers (model/moe.h, docs/architecture.md: router and losses).
+struct MoeConfig {
+  int64_t num_experts = 0;      // routed experts E; 0 = a dense model
+  int64_t top_k = 2;            // experts per token
+  int64_t d_ff_expert = 0;      // hidden width of one expert; 0 = model.d_ff (style default)
+  int64_t shared_experts = 0;   // always-on experts (one dense MLP of width shared_experts * d_ff_expert)
+  int64_t first_dense = 0;      // the first k layers keep a dense MLP
+  int64_t every = 1;            // after those, every n-th layer is MoE (layer l: (l - first_dense) % every == 0)
+  std::string router = "softmax";  // "softmax" (Mixtral/Qwen) or "sigmoid" (DeepSeek-V3: scores + selection bias)
+  bool renormalize = true;      // gate weights of the k chosen experts divided by their sum
+  double aux_loss_coef = 0.01;  // Switch/GShard load-balancing loss, per sequence (0 = off)
+  double z_loss_coef = 0.0;     // router z-loss (0 = off)
+  double bias_update_rate = 1e-3;  // sigmoid router: expert-bias step per optimizer step (0 = frozen)
+  double capacity_factor = 0;   // 0 = dropless; > 0 drops tokens over capacity (layout-dependent)
+  bool enabled() const { return num_experts > 0; }
+};
+
 struct ModelConfig {
   std::string style = "llama";  // "gpt2" (LayerNorm, learned positions, GELU, tied embeddings, biases)
                                 // or "llama" (RMSNorm, RoPE, GQA, SwiGLU, untied, no biases)
@@ -24,12 +41,18 @@ struct ModelConfig {
   double norm_eps = 1e-5;
   int tie_embeddings = -1;  // -1: style default (gpt2 tied, llama untied); 0/1 force
   double init_std = 0.02;
+  MoeConfig moe;
   // Derived, filled by finalize(): head_dim, effective kv heads / d_ff / tying.
   int64_t head_dim() const { return d_model / n_heads; }
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int64_t ffn_dim() const;
   bool tied() const { return tie_embeddings < 0 ? style == "gpt2" : tie_embeddings != 0; }
   bool is_gpt2() const { return style == "gpt2"; }
+  // MoE: whether layer l has routed experts, and one expert's hidden width.
+  bool is_moe_layer(int64_t l) const {
+    return moe.enabled() && l >= moe.first_dense && (l - moe.first_dense) % moe.every == 0;
+  }
+  int64_t expert_ffn_dim() const { return moe.d_ff_expert > 0 ? moe.d_ff_expert : ffn_dim(); }
 };
 
 struct DataConfig {

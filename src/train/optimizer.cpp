@@ -22,35 +22,71 @@ bool active(const Communicator* c) { return c != nullptr && c->size() > 1; }
 
 }  // namespace
 
+bool Optimizer::Region::sharded() const { return shard_grad.defined(); }
+
+float* Optimizer::Region::grad(ParamStore& ps) const {
+  return sharded() ? const_cast<Tensor&>(shard_grad).f32() : ps.flat_grads().f32() + own_begin;
+}
+
 Optimizer::Optimizer(ParamStore& params, const TrainConfig& cfg, OptimizerComms comms)
     : params_(params), cfg_(cfg), c_(comms) {
   const int64_t n = params_.flat_grads().numel();
   NDT_CHECK(n > 0, "optimizer needs a flattened parameter store");
-  if (c_.zero1 && active(c_.dp)) {
-    const int64_t dp = c_.dp->size();
-    NDT_CHECK(n % dp == 0, "flat buffer of {} elements not aligned to dp={}", n, dp);
-    own_begin_ = n / dp * c_.dp->rank();
-    own_end_ = own_begin_ + n / dp;
-    shard_grad_ = Tensor::zeros({n / dp}, DType::F32, params_.device());
-  } else {
-    own_begin_ = 0;
-    own_end_ = n;
+  bool any_expert = false;
+  for (auto& p : params_.all()) any_expert = any_expert || p->expert;
+  const int64_t eb = any_expert ? params_.expert_begin() : n;
+  Region dense{0, eb, c_.dp, nullptr};
+  Region expert{eb, n, c_.expert_dp ? c_.expert_dp : c_.dp, c_.ep};
+  int64_t state = 0;
+  for (Region r : {dense, expert}) {
+    if (r.end <= r.begin) continue;
+    r.own_begin = r.begin;
+    r.own_end = r.end;
+    if (c_.zero1 && active(r.dp)) {
+      const int64_t len = r.end - r.begin, dp = r.dp->size();
+      NDT_CHECK(len % dp == 0, "flat region of {} elements not aligned to its {} replicas", len, dp);
+      r.own_begin = r.begin + len / dp * r.dp->rank();
+      r.own_end = r.own_begin + len / dp;
+      r.shard_grad = Tensor::zeros({len / dp}, DType::F32, params_.device());
+    }
+    r.state_offset = state;
+    state += r.own_end - r.own_begin;
+    regions_.push_back(r);
   }
-  m_ = Tensor::zeros({own_end_ - own_begin_}, DType::F32, params_.device());
-  v_ = Tensor::zeros({own_end_ - own_begin_}, DType::F32, params_.device());
+  m_ = Tensor::zeros({state}, DType::F32, params_.device());
+  v_ = Tensor::zeros({state}, DType::F32, params_.device());
+}
+
+template <typename F>
+void Optimizer::for_owned(F&& fn) {
+  for (Region& r : regions_)
+    for (auto& p : params_.all()) {
+      const int64_t off = params_.offset_of(*p);
+      const int64_t b = std::max(off, r.own_begin), e = std::min(off + p->numel(), r.own_end);
+      if (b < e) fn(*p, r, b, e);
+    }
+}
+
+void Optimizer::all_gather_owned(Region& r) {
+  if (!r.sharded()) return;
+  const int64_t shard = r.own_end - r.own_begin;
+  Tensor mine = params_.flat_values().view_at(r.own_begin, {shard}).clone();
+  r.dp->all_gather(mine.f32(), params_.flat_values().f32() + r.begin, shard, DType::F32);
 }
 
 bool Optimizer::overlaps_reduction() const {
 #ifdef NDT_HAVE_NCCL
-  return params_.device() == Device::CUDA && active(c_.dp) && !c_.zero1 && as_nccl(c_.dp) != nullptr;
+  return params_.device() == Device::CUDA && active(c_.dp) && !c_.zero1 && as_nccl(c_.dp) != nullptr &&
+         !regions_.empty();
 #else
   return false;
 #endif
 }
 
 void Optimizer::reduce_early(int64_t begin, int64_t end) {
-  NDT_CHECK(overlaps_reduction() && begin >= 0 && begin < end && end <= params_.flat_grads().numel(),
-            "reduce_early [{}, {}): needs plain DP over NCCL and a range of the flat buffer", begin, end);
+  NDT_CHECK(overlaps_reduction() && begin >= 0 && begin < end && end <= regions_.front().end &&
+                regions_.front().dp == c_.dp,
+            "reduce_early [{}, {}): needs plain DP over NCCL and a range of the dense flat region", begin, end);
 #ifdef NDT_HAVE_NCCL
   std::shared_ptr<CommHandle> h = as_nccl(c_.dp)->all_reduce_async(params_.flat_grads().f32() + begin,
                                                                    end - begin, DType::F32, ReduceOp::Sum);
@@ -61,163 +97,167 @@ void Optimizer::reduce_early(int64_t begin, int64_t end) {
 
 double Optimizer::reduce_and_clip(double clip) {
   Tensor& flat = params_.flat_grads();
-  const int64_t n = flat.numel();
   const bool tp_active = active(c_.tp);
   for (auto& wait : early_waits_) wait();  // DP reductions started under backward (reduce_early)
   if (c_.sequence_parallel && tp_active) {
     for (auto& p : params_.all())
       if (p->tp_replicated) c_.tp->all_reduce(p->grad.data_ptr(), p->numel(), DType::F32, ReduceOp::Sum);
   }
-  // The range whose reduced gradient this rank holds after DP reduction.
-  float* g = flat.f32() + own_begin_;
-  if (active(c_.dp)) {
-    if (c_.zero1) {
-      c_.dp->reduce_scatter(flat.f32(), shard_grad_.f32(), n / c_.dp->size(), DType::F32, ReduceOp::Sum);
-      g = shard_grad_.f32();
-    } else {
-      std::sort(early_ranges_.begin(), early_ranges_.end());
-      auto reduce = [&](int64_t b, int64_t e) {
-        for (; b < e; b += kBucketElems)
-          c_.dp->all_reduce(flat.f32() + b, std::min(kBucketElems, e - b), DType::F32, ReduceOp::Sum);
-      };
-      int64_t done = 0;  // the ranges between the early ones (embeddings, final norm, head, padding)
-      for (const auto& [b, e] : early_ranges_) {
-        reduce(done, b);
-        done = e;
-      }
-      reduce(done, n);
+  std::sort(early_ranges_.begin(), early_ranges_.end());
+  for (Region& r : regions_) {
+    if (!active(r.dp)) continue;
+    if (r.sharded()) {
+      r.dp->reduce_scatter(flat.f32() + r.begin, r.shard_grad.f32(), (r.end - r.begin) / r.dp->size(), DType::F32,
+                           ReduceOp::Sum);
+      continue;
     }
-    early_ranges_.clear();
-    early_waits_.clear();
+    auto reduce = [&](int64_t b, int64_t e) {
+      for (; b < e; b += kBucketElems)
+        r.dp->all_reduce(flat.f32() + b, std::min(kBucketElems, e - b), DType::F32, ReduceOp::Sum);
+    };
+    int64_t done = r.begin;  // the ranges between the early ones (embeddings, final norm, head, padding)
+    for (const auto& [b, e] : early_ranges_) {
+      if (b < r.begin || e > r.end) continue;
+      reduce(done, b);
+      done = e;
+    }
+    reduce(done, r.end);
   }
-  // Sum of squares: elements of TP-replicated params count on TP rank 0 only.
+  early_ranges_.clear();
+  early_waits_.clear();
+  // Sum of squares per region (its shards and its EP peers differ); TP-replicated params count on TP rank 0.
   double ss = 0;
-  std::vector<std::pair<int64_t, int64_t>> runs;  // counted ranges, adjacent ones merged (device path)
-  for (auto& p : params_.all()) {
-    if (!p->count_in_norm || (p->tp_replicated && tp_active && c_.tp->rank() != 0)) continue;
-    const int64_t b = std::max(params_.offset_of(*p), own_begin_);
-    const int64_t e = std::min(params_.offset_of(*p) + p->numel(), own_end_);
-    if (b >= e) continue;
-    if (params_.device() == Device::CPU) {
-      ss += cpu::sum_squares(g + (b - own_begin_), e - b);
-    } else if (!runs.empty() && runs.back().second == b) {
-      runs.back().second = e;
-    } else {
-      runs.emplace_back(b, e);
+  for (Region& r : regions_) {
+    double rss = 0;
+    float* g = r.grad(params_);
+    std::vector<std::pair<int64_t, int64_t>> runs;  // counted ranges, adjacent ones merged (device path)
+    for (auto& p : params_.all()) {
+      if (!p->count_in_norm || (p->tp_replicated && tp_active && c_.tp->rank() != 0)) continue;
+      const int64_t b = std::max(params_.offset_of(*p), r.own_begin);
+      const int64_t e = std::min(params_.offset_of(*p) + p->numel(), r.own_end);
+      if (b >= e) continue;
+      if (params_.device() == Device::CPU) {
+        rss += cpu::sum_squares(g + (b - r.own_begin), e - b);
+      } else if (!runs.empty() && runs.back().second == b) {
+        runs.back().second = e;
+      } else {
+        runs.emplace_back(b, e);
+      }
     }
-  }
 #ifdef NDT_HAVE_CUDA
-  if (params_.device() == Device::CUDA) {
-    // Accumulated on the device, read once (the step's only wait for the GPU besides the loss).
-    Tensor acc = Tensor::zeros({1}, DType::F64, Device::CUDA);
-    for (auto [b, e] : runs)
-      cuda::sum_squares_device(acc.data<double>(), g + (b - own_begin_), e - b, /*accumulate=*/true,
-                               cuda::stream());
-    ss = acc.to_vector<double>()[0];
-  }
+    if (params_.device() == Device::CUDA) {
+      // Accumulated on the device, read once per region.
+      Tensor acc = Tensor::zeros({1}, DType::F64, Device::CUDA);
+      for (auto [b, e] : runs)
+        cuda::sum_squares_device(acc.data<double>(), g + (b - r.own_begin), e - b, /*accumulate=*/true,
+                                 cuda::stream());
+      rss = acc.to_vector<double>()[0];
+    }
 #endif
-  if (c_.zero1 && active(c_.dp)) c_.dp->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
+    if (r.sharded()) r.dp->all_reduce(&rss, 1, DType::F64, ReduceOp::Sum);
+    if (active(r.norm_extra)) r.norm_extra->all_reduce(&rss, 1, DType::F64, ReduceOp::Sum);
+    ss += rss;
+  }
   if (tp_active) c_.tp->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
   if (active(c_.norm_extra)) c_.norm_extra->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
   const double norm = std::sqrt(ss);
   grad_scale_ = 1.0f;
   if (clip > 0 && norm > clip) {
-    if (params_.device() == Device::CPU)
-      cpu::scale_inplace(g, static_cast<float>(clip / (norm + 1e-6)), own_end_ - own_begin_);
-    else
+    if (params_.device() == Device::CPU) {
+      for (Region& r : regions_)
+        cpu::scale_inplace(r.grad(params_), static_cast<float>(clip / (norm + 1e-6)), r.own_end - r.own_begin);
+    } else {
       grad_scale_ = static_cast<float>(clip / (norm + 1e-6));  // applied inside the AdamW kernel
+    }
   }
   return norm;
 }
 
 void Optimizer::step(double lr) {
   ++step_;
-  float* g = (c_.zero1 && active(c_.dp)) ? shard_grad_.f32() : params_.flat_grads().f32() + own_begin_;
-  float* w = params_.flat_values().f32();
 #ifdef NDT_HAVE_CUDA
   if (params_.device() == Device::CUDA) {
-    step_device(lr, g, w);
+    step_device(lr);
     return;
   }
 #endif
-  for (auto& p : params_.all()) {
-    const int64_t off = params_.offset_of(*p);
-    const int64_t b = std::max(off, own_begin_), e = std::min(off + p->numel(), own_end_);
-    if (b >= e) continue;
-    const int64_t s = b - own_begin_;
-    cpu::adamw_update(w + b, g + s, m_.f32() + s, v_.f32() + s, e - b, static_cast<float>(lr),
-                      static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2),
+  float* w = params_.flat_values().f32();
+  for_owned([&](Param& p, Region& r, int64_t b, int64_t e) {
+    const int64_t s = r.state_offset + (b - r.own_begin);
+    cpu::adamw_update(w + b, r.grad(params_) + (b - r.own_begin), m_.f32() + s, v_.f32() + s, e - b,
+                      static_cast<float>(lr), static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2),
                       static_cast<float>(cfg_.adam_eps),
-                      p->weight_decay ? static_cast<float>(cfg_.weight_decay) : 0.f, step_);
-  }
-  if (c_.zero1 && active(c_.dp)) {
-    // All-gather the updated shards into every rank's full parameter buffer.
-    const int64_t shard = own_end_ - own_begin_;
-    Tensor mine = params_.flat_values().view_at(own_begin_, {shard}).clone();
-    c_.dp->all_gather(mine.f32(), w, shard, DType::F32);
-  }
+                      p.weight_decay ? static_cast<float>(cfg_.weight_decay) : 0.f, step_);
+  });
+  // ZeRO-1: all-gather the updated shards into every rank's full parameter buffer.
+  for (Region& r : regions_) all_gather_owned(r);
 }
 
 #ifdef NDT_HAVE_CUDA
-void Optimizer::step_device(double lr, float* g, float* w) {
-  // One fused launch per run of adjacent parameters with the same weight decay; it applies the clip
-  // factor and writes the bf16 compute copy in the same pass.
+void Optimizer::step_device(double lr) {
+  // One fused launch per run of adjacent parameters with the same weight decay (within a region); it
+  // applies the clip factor and writes the bf16 compute copy in the same pass.
   Tensor& compute = params_.flat_compute();
   auto* wc = compute.defined() ? static_cast<__nv_bfloat16*>(compute.data_ptr()) : nullptr;
+  float* w = params_.flat_values().f32();
   int64_t run_b = -1, run_e = -1;
   bool run_decay = false;
+  Region* run_r = nullptr;
   auto flush = [&] {
     if (run_b < 0) return;
-    const int64_t s = run_b - own_begin_;
-    cuda::adamw_update(w + run_b, g + s, m_.f32() + s, v_.f32() + s, run_e - run_b, static_cast<float>(lr),
-                       static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2),
-                       static_cast<float>(cfg_.adam_eps),
-                       run_decay ? static_cast<float>(cfg_.weight_decay) : 0.f, step_,
-                       wc ? wc + run_b : nullptr, grad_scale_, cuda::stream());
+    const int64_t s = run_r->state_offset + (run_b - run_r->own_begin);
+    cuda::adamw_update(w + run_b, run_r->grad(params_) + (run_b - run_r->own_begin), m_.f32() + s, v_.f32() + s,
+                       run_e - run_b, static_cast<float>(lr), static_cast<float>(cfg_.beta1),
+                       static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.adam_eps),
+                       run_decay ? static_cast<float>(cfg_.weight_decay) : 0.f, step_, wc ? wc + run_b : nullptr,
+                       grad_scale_, cuda::stream());
     run_b = -1;
   };
-  for (auto& p : params_.all()) {
-    const int64_t off = params_.offset_of(*p);
-    const int64_t b = std::max(off, own_begin_), e = std::min(off + p->numel(), own_end_);
-    if (b >= e) continue;
-    if (run_b >= 0 && run_e == b && run_decay == p->weight_decay) {
+  for_owned([&](Param& p, Region& r, int64_t b, int64_t e) {
+    if (run_b >= 0 && run_r == &r && run_e == b && run_decay == p.weight_decay) {
       run_e = e;
-      continue;
+      return;
     }
     flush();
     run_b = b;
     run_e = e;
-    run_decay = p->weight_decay;
-  }
+    run_decay = p.weight_decay;
+    run_r = &r;
+  });
   flush();
   grad_scale_ = 1.0f;
-  if (c_.zero1 && active(c_.dp)) {
-    const int64_t shard = own_end_ - own_begin_;
-    Tensor mine = params_.flat_values().view_at(own_begin_, {shard}).clone();
-    c_.dp->all_gather(mine.f32(), w, shard, DType::F32);
-    params_.refresh_compute();  // the gathered shards' compute copies
+  bool gathered = false;
+  for (Region& r : regions_) {
+    gathered = gathered || r.sharded();
+    all_gather_owned(r);
   }
+  if (gathered) params_.refresh_compute();  // the gathered shards' compute copies
 }
 #endif
 
 void Optimizer::gather_moments(Tensor& full_m, Tensor& full_v) {
   const int64_t n = params_.flat_values().numel();
-  full_m = Tensor::empty({n});
-  full_v = Tensor::empty({n});
-  if (c_.zero1 && active(c_.dp)) {
-    const Tensor m = m_.to(Device::CPU), v = v_.to(Device::CPU);
-    c_.dp->all_gather(m.data_ptr(), full_m.data_ptr(), m.numel(), DType::F32);
-    c_.dp->all_gather(v.data_ptr(), full_v.data_ptr(), v.numel(), DType::F32);
-  } else {
-    full_m.copy_from(m_);
-    full_v.copy_from(v_);
+  full_m = Tensor::zeros({n});
+  full_v = Tensor::zeros({n});
+  const Tensor m = m_.to(Device::CPU), v = v_.to(Device::CPU);
+  for (Region& r : regions_) {
+    const int64_t len = r.own_end - r.own_begin;
+    for (auto [mine, full] : {std::pair{&m, &full_m}, {&v, &full_v}}) {
+      const Tensor part = mine->view_at(r.state_offset, {len});
+      if (r.sharded())
+        r.dp->all_gather(part.data_ptr(), full->f32() + r.begin, len, DType::F32);
+      else
+        full->view_at(r.begin, {len}).copy_from(part);
+    }
   }
 }
 
 void Optimizer::scatter_moments(const Tensor& full_m, const Tensor& full_v) {
-  const int64_t n = own_end_ - own_begin_;
-  m_.copy_from(full_m.view_at(own_begin_, {n}));
-  v_.copy_from(full_v.view_at(own_begin_, {n}));
+  for (Region& r : regions_) {
+    const int64_t len = r.own_end - r.own_begin;
+    m_.view_at(r.state_offset, {len}).copy_from(full_m.view_at(r.own_begin, {len}));
+    v_.view_at(r.state_offset, {len}).copy_from(full_v.view_at(r.own_begin, {len}));
+  }
 }
 
 }  // namespace ndt

@@ -23,6 +23,10 @@ namespace ndt {
 
 struct OptimizerComms {
   Communicator* dp = nullptr;          // ranks holding replicas of the same parameters (DP x CP)
+  // Expert params (the store's expert region, ParamStore::expert_begin()): their replicas (the
+  // expert-data-parallel group; null = dp) and the EP group whose ranks hold the other experts.
+  Communicator* expert_dp = nullptr;
+  Communicator* ep = nullptr;
   Communicator* tp = nullptr;          // tensor-parallel group (null or size 1: none)
   Communicator* norm_extra = nullptr;  // further groups the grad norm sums over (pipeline stages)
   bool sequence_parallel = false;
@@ -31,7 +35,8 @@ struct OptimizerComms {
 
 class Optimizer {
  public:
-  // The store must be flattened with align = dp size when zero1 is set.
+  // The store must be flattened with align = dp size (and expert_align = expert_dp size) when zero1 is
+  // set. Each region of the flat buffer (dense, expert) is reduced and ZeRO-sharded over its own group.
   Optimizer(ParamStore& params, const TrainConfig& cfg, OptimizerComms comms);
   // Steps 1-3 above; returns the global gradient norm before clipping.
   double reduce_and_clip(double clip);
@@ -44,29 +49,39 @@ class Optimizer {
   void step(double lr);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t n) { step_ = n; }
-  // Moments for the whole local flat buffer (ZeRO-1 shards all-gathered over DP), for checkpoints.
+  // Moments for the whole local flat buffer (ZeRO-1 shards all-gathered over their groups), for checkpoints.
   void gather_moments(Tensor& full_m, Tensor& full_v);
   // Takes this rank's owned range from whole-buffer moments (after loading a checkpoint).
   void scatter_moments(const Tensor& full_m, const Tensor& full_v);
-  // Optimizer state for checkpoints: (m, v) over the owned range of the flat buffer.
-  Tensor& exp_avg() { return m_; }
-  Tensor& exp_avg_sq() { return v_; }
-  int64_t owned_begin() const { return own_begin_; }
-  int64_t owned_end() const { return own_end_; }
 
  private:
+  // A range of the flat buffer with its own replica group.
+  struct Region {
+    int64_t begin = 0, end = 0;          // [begin, end) of the flat buffer
+    Communicator* dp = nullptr;          // gradient reduction and ZeRO-1 group
+    Communicator* norm_extra = nullptr;  // ranks holding OTHER parameters of this region (EP)
+    int64_t own_begin = 0, own_end = 0;  // the part this rank updates
+    int64_t state_offset = 0;            // where that part's moments start in m_ / v_
+    Tensor shard_grad;                   // ZeRO-1: reduced gradient of the owned part
+    bool sharded() const;
+    float* grad(ParamStore& ps) const;   // reduced gradient of the owned part
+  };
+  // Calls fn(param, region, b, e) for every parameter piece [b, e) (flat indices) this rank owns.
+  template <typename F>
+  void for_owned(F&& fn);
+  void all_gather_owned(Region& r);
+
   ParamStore& params_;
   TrainConfig cfg_;
   OptimizerComms c_;
-  int64_t own_begin_ = 0, own_end_ = 0;  // range of the flat buffer this rank updates
-  Tensor m_, v_;                         // (own_end - own_begin)
-  Tensor shard_grad_;                    // ZeRO-1: reduced grad of the owned range
+  std::vector<Region> regions_;
+  Tensor m_, v_;  // moments of the owned parts, region after region
   int64_t step_ = 0;
   float grad_scale_ = 1.0f;                                // CUDA: clip factor for the next step()
   std::vector<std::pair<int64_t, int64_t>> early_ranges_;  // reduce_early ranges of this step
   std::vector<std::function<void()>> early_waits_;         // their completion (compute stream waits)
 #ifdef NDT_HAVE_CUDA
-  void step_device(double lr, float* g, float* w);
+  void step_device(double lr);
 #endif
 };
 

@@ -6,6 +6,7 @@
 #include "data/packing.h"
 #include "data/synthetic.h"
 #include "train/evaluate.h"
+#include "train/moe_metrics.h"
 #include "train/schedule.h"
 
 #ifdef NDT_HAVE_CUDA
@@ -26,10 +27,13 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   NDT_CHECK(tok_.vocab_size() <= cfg_.model.vocab_size,
             "tokenizer {} has {} tokens but model.vocab_size is {}", tok_.name(), tok_.vocab_size(),
             cfg_.model.vocab_size);
-  engine_ = std::make_unique<PipelineEngine>(cfg_, *c_.pp, c_.tp_hooks, c_.cp);
+  if (!c_.expert_dp) c_.expert_dp = c_.grad;
+  NDT_CHECK(c_.ep_hooks == nullptr || cfg_.parallel.ep == c_.ep_hooks->size(),
+            "EP hooks span {} ranks, parallel.ep is {}", c_.ep_hooks ? c_.ep_hooks->size() : 1, cfg_.parallel.ep);
+  engine_ = std::make_unique<PipelineEngine>(cfg_, *c_.pp, c_.tp_hooks, c_.cp, c_.ep_hooks);
   pack_count_multiple_ =
       cfg_.parallel.virtual_stages > 1 ? c_.pp->size() : 1;  // interleaved needs m % p == 0
-  engine_->params().flatten(c_.grad->size());
+  engine_->params().flatten(c_.grad->size(), c_.expert_dp->size());
   engine_->params().init(static_cast<uint64_t>(cfg_.train.seed));
   if (cfg_.train.device == "cuda") {
 #ifdef NDT_HAVE_CUDA
@@ -44,6 +48,8 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   engine_->set_recompute(cfg_.train.recompute);
   OptimizerComms oc;
   oc.dp = c_.grad;
+  oc.expert_dp = c_.expert_dp;
+  oc.ep = c_.ep;
   oc.tp = c_.tp;
   oc.norm_extra = c_.pp;
   oc.sequence_parallel = cfg_.parallel.sequence_parallel;
@@ -93,20 +99,28 @@ std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
 StepStats Trainer::train_step(int64_t step) {
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<Microbatch> mbs = local_microbatches(step);
-  // Loss-bearing tokens of the whole global batch, known before any backward.
-  int64_t n_tokens = 0;
-  for (const auto& mb : mbs) n_tokens += mb.num_loss_tokens;
+  // Loss-bearing tokens, real sequences and real tokens of the whole global batch, known before any
+  // backward (the normalisers of the loss and of the MoE balancing losses).
+  int64_t counts[3] = {0, 0, 0};
+  for (const auto& mb : mbs) {
+    counts[0] += mb.num_loss_tokens;
+    counts[1] += mb.num_real_seqs();
+    counts[2] += mb.num_real_tokens();
+  }
   // Full microbatches: every CP rank of a replica holds the same ones, so DP alone sums the global count
   // (the same as summing each CP shard's count over DP x CP).
-  c_.dp->all_reduce(&n_tokens, 1, DType::I64, ReduceOp::Sum);
+  c_.dp->all_reduce(counts, 3, DType::I64, ReduceOp::Sum);
+  const int64_t n_tokens = counts[0];
   NDT_CHECK(n_tokens > 0, "step {}: the global batch has no loss-bearing tokens", step);
   const float scale = 1.0f / static_cast<float>(n_tokens);
 
   engine_->params().zero_grad();
+  engine_->begin_moe_step(static_cast<double>(counts[1]), static_cast<double>(counts[2]));
   const bool tracing = !trace_path_.empty() && step >= 1 && step <= 3;
   const double t0_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
   double loss_sum = engine_->train(mbs, scale, tracing ? &trace_ : nullptr, t0_us);
+  engine_->end_moe_step();
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (step > 0) {  // step 0 includes one-time allocation
     compute_s_ += engine_->last_compute_seconds();
@@ -123,6 +137,7 @@ StepStats Trainer::train_step(int64_t step) {
   st.grad_norm = opt_->reduce_and_clip(cfg_.train.grad_clip);
   st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);
   opt_->step(st.lr);
+  if (!engine_->moe_layers().empty()) st.moe = finish_moe_step(cfg_, engine_->moe_layers(), *c_.grad, *c_.tp, *c_.pp);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 #ifdef NDT_HAVE_CUDA
   if (engine_->params().device() == Device::CUDA) {

@@ -16,6 +16,7 @@
 #include "parallel/pp/pipeline.h"
 #include "train/config.h"
 #include "train/logprobs.h"
+#include "train/moe_metrics.h"
 #include "train/optimizer.h"
 
 namespace ndt {
@@ -30,6 +31,11 @@ struct RunComms {
   Communicator* tp = nullptr;
   Communicator* pp = nullptr;   // pipeline stages (P2P, loss and grad-norm reductions)
   TpHooks* tp_hooks = nullptr;  // null: no tensor parallelism
+  // Expert parallelism (folded onto DP x CP): the EP group, the expert-data-parallel group (ranks holding
+  // the same experts: expert gradient reduction, expert ZeRO-1 shards), and the dispatch hooks.
+  Communicator* ep = nullptr;
+  Communicator* expert_dp = nullptr;  // null = grad
+  EpHooks* ep_hooks = nullptr;        // null: every rank holds all experts
 };
 
 struct StepStats {
@@ -41,6 +47,7 @@ struct StepStats {
   double seconds = 0;
   double peak_mem_gib = 0;  // train.device cuda: peak device memory of live tensors so far, max over ranks
   std::vector<double> peak_mem_gib_per_rank;  // the same per world rank (empty on the CPU)
+  MoeStepReport moe;                          // MoE models: balancing losses and expert load
 };
 
 struct EvalStats {

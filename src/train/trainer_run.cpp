@@ -179,7 +179,7 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
   std::vector<std::pair<std::string, Tensor>> full;
   engine_->params().with_host_values(
       [&] {
-        full = gather_full_params(engine_->params(), *c_.tp);
+        full = gather_full_params(engine_->params(), *c_.tp, c_.ep);
         gather_pipeline_params(full, *c_.pp);
       },
       /*write_back=*/false);

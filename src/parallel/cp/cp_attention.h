@@ -21,6 +21,7 @@ class CpAttention final : public CpHooks {
   // `cp` is not owned and must outlive this object.
   CpAttention(Communicator& cp, Mode mode) : cp_(cp), mode_(mode) {}
   int size() const override { return cp_.size(); }
+  void all_reduce_sum(float* buf, int64_t n) override { cp_.all_reduce(buf, n, DType::F32, ReduceOp::Sum); }
   void attention_forward(const Microbatch& mb, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                          Tensor& lse, float scale) override;
   void attention_backward(const Microbatch& mb, const Tensor& dout, const Tensor& q, const Tensor& k,

@@ -54,7 +54,7 @@ Result<std::vector<int64_t>> stage_boundaries(const ParallelConfig& par, int64_t
   return b;
 }
 
-PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp, Communicator* cp)
+PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp, Communicator* cp, EpHooks* ep)
     : cfg_(cfg),
       pp_(pp),
       tp_(tp),
@@ -69,7 +69,8 @@ PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp,
   for (int c = 0; c < v_; ++c) {
     const int64_t s = stage_of(c);
     StageSpec spec{b[static_cast<size_t>(s)], b[static_cast<size_t>(s) + 1], s == 0, s == S - 1};
-    chunks_.push_back(std::make_unique<Transformer>(cfg_.model, spec, tp_, &store_));
+    chunks_.push_back(std::make_unique<Transformer>(cfg_.model, spec, tp_, &store_, ep));
+    chunks_.back()->set_moe_context(&moe_ctx_);
   }
   if (cp_) {
     cp_attention_ = std::make_unique<CpAttention>(*cp_, cfg_.parallel.cp_attention == "allgather"
@@ -111,6 +112,20 @@ std::pair<int64_t, int64_t> PipelineEngine::layer_range(int64_t l) {
   const std::pair<int64_t, int64_t> r =
       n > 0 && e - b == n ? std::pair{b, e} : std::pair<int64_t, int64_t>{0, 0};
   return layer_ranges_[l] = r;
+}
+
+std::vector<std::pair<int64_t, MoeLayer*>> PipelineEngine::moe_layers() {
+  std::vector<std::pair<int64_t, MoeLayer*>> out;
+  for (auto& c : chunks_)
+    for (auto& [l, m] : c->moe_layers()) out.emplace_back(l, m.get());
+  return out;
+}
+
+void PipelineEngine::begin_moe_step(double seqs, double tokens) {
+  moe_ctx_.seqs = std::max(seqs, 1.0);
+  moe_ctx_.tokens = std::max(tokens, 1.0);
+  moe_ctx_.record = true;
+  for (auto& [l, m] : moe_layers()) m->stats().clear(cfg_.model.moe.num_experts);
 }
 
 double PipelineEngine::theoretical_bubble(int m) const {

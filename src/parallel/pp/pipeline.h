@@ -28,7 +28,8 @@ class PipelineEngine {
   // Collective over pp (builds the tied-embedding group). tp and cp may be null (one rank). With
   // cp > 1 every method takes FULL microbatches (each sequence a multiple of 2·cp long) and runs this CP
   // rank's shard of them (parallel/cp/cp_shard.h).
-  PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp, Communicator* cp = nullptr);
+  PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp, Communicator* cp = nullptr,
+                 EpHooks* ep = nullptr);
 
   ParamStore& params() { return store_; }
   Transformer& chunk(int c) { return *chunks_.at(static_cast<size_t>(c)); }
@@ -62,6 +63,13 @@ class PipelineEngine {
   };
   Scores scores(const Microbatch& mb, int64_t k);
 
+  // MoE: the MoE layers of this rank's chunks (global layer index -> layer), and the step's loss
+  // normalisers (real sequences and tokens of the global batch). Between begin_moe_step and
+  // end_moe_step, training forwards count routing statistics (MoeLayer::stats, cleared by begin).
+  std::vector<std::pair<int64_t, MoeLayer*>> moe_layers();
+  void begin_moe_step(double seqs, double tokens);
+  void end_moe_step() { moe_ctx_.record = false; }
+
   // Compute seconds of the last train() call (for the measured bubble).
   double last_compute_seconds() const { return compute_s_; }
   double theoretical_bubble(int m) const;
@@ -93,6 +101,7 @@ class PipelineEngine {
   std::map<int64_t, std::pair<int64_t, int64_t>>
       layer_ranges_;  // pp ranks 0 and p-1, when embeddings are tied and p > 1
   double compute_s_ = 0;
+  MoeStepContext moe_ctx_;
 };
 
 }  // namespace ndt

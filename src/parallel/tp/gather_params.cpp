@@ -2,9 +2,18 @@
 
 namespace ndt {
 
-std::vector<std::pair<std::string, Tensor>> gather_full_params(const ParamStore& params, Communicator& tp) {
+std::vector<std::pair<std::string, Tensor>> gather_full_params(const ParamStore& params, Communicator& tp,
+                                                               Communicator* ep) {
   std::vector<std::pair<std::string, Tensor>> out;
   for (const auto& p : params.all()) {
+    if (p->expert && p->shard_dim == 0) {  // EP rank r holds experts [r * El, (r + 1) * El): blocks in order
+      NDT_CHECK(ep != nullptr && ep->size() * p->value.size(0) == p->global_shape[0],
+                "gathering expert tensor {} needs the EP group", p->name);
+      Tensor full = Tensor::empty(p->global_shape);
+      ep->all_gather(p->value.data_ptr(), full.data_ptr(), p->numel(), DType::F32);
+      out.emplace_back(p->name, full);
+      continue;
+    }
     if (p->shard_dim < 0 || tp.size() == 1) {
       out.emplace_back(p->name, p->value.clone());
       continue;

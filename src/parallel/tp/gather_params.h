@@ -1,6 +1,7 @@
 #pragma once
-// Reassemble full (global) parameter tensors from TP shards: for saving weights and for parity
-// checks against the single-process run. Collective over the TP group; every rank gets the result.
+// Reassemble full (global) parameter tensors from TP shards (and expert shards over EP): for saving
+// weights and for parity checks against the single-process run. Collective over the TP group (and the
+// EP group when given); every rank gets the result.
 #include <string>
 #include <utility>
 #include <vector>
@@ -10,6 +11,7 @@
 
 namespace ndt {
 
-std::vector<std::pair<std::string, Tensor>> gather_full_params(const ParamStore& params, Communicator& tp);
+std::vector<std::pair<std::string, Tensor>> gather_full_params(const ParamStore& params, Communicator& tp,
+                                                               Communicator* ep = nullptr);
 
 }  // namespace ndt
