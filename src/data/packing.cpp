@@ -79,7 +79,7 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, cons
 }
 
 std::vector<std::vector<int64_t>> pack_into_microbatches(const std::vector<int64_t>& lengths, int64_t budget,
-                                                         int64_t count_multiple) {
+                                                         int64_t count_multiple, int64_t min_count) {
   const int64_t n = static_cast<int64_t>(lengths.size());
   NDT_CHECK(n > 0, "packing: no samples");
   NDT_CHECK(count_multiple >= 1, "packing: microbatch count multiple must be >= 1");
@@ -96,7 +96,8 @@ std::vector<std::vector<int64_t>> pack_into_microbatches(const std::vector<int64
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return lengths[static_cast<size_t>(a)] > lengths[static_cast<size_t>(b)];
   });
-  for (int64_t m = round_up(std::max<int64_t>(1, (total + budget - 1) / budget), count_multiple); m <= n;
+  NDT_CHECK(min_count <= n, "packing: {} microbatches asked for {} samples", min_count, n);
+  for (int64_t m = round_up(std::max<int64_t>({1, (total + budget - 1) / budget, min_count}), count_multiple); m <= n;
        m += count_multiple) {
     std::vector<std::vector<int64_t>> bins(static_cast<size_t>(m));
     std::vector<int64_t> load(static_cast<size_t>(m), 0);

@@ -34,8 +34,10 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, cons
 // longest first, each to the currently lightest microbatch (LPT), keeps every microbatch within
 // `budget` tokens; ties go to the lower index, so the result is a pure function of the lengths.
 // LPT also balances the token counts, which is what pipeline stages and DP ranks wait on.
+// m is at least min_count (replicas that must run the same number of microbatches agree on it: expert
+// parallelism exchanges tokens between DP ranks in every MoE layer).
 // Errors (clear message) when a sample alone exceeds the budget or no m <= samples works.
 std::vector<std::vector<int64_t>> pack_into_microbatches(const std::vector<int64_t>& lengths, int64_t budget,
-                                                         int64_t count_multiple = 1);
+                                                         int64_t count_multiple = 1, int64_t min_count = 1);
 
 }  // namespace ndt

@@ -7,7 +7,7 @@ namespace ndt {
 std::vector<std::vector<int32_t>> greedy_generate(const ArgmaxFn& model,
                                                   const std::vector<std::vector<int32_t>>& prompts,
                                                   int64_t max_new_tokens, int32_t eos_id, int32_t pad_id,
-                                                  const PackLayout& layout) {
+                                                  const PackLayout& layout, Communicator* lockstep) {
   const size_t n = prompts.size();
   std::vector<std::vector<int32_t>> out(n);
   std::vector<bool> done(n, false);
@@ -36,7 +36,9 @@ std::vector<std::vector<int32_t>> greedy_generate(const ArgmaxFn& model,
         all_done = false;
       }
     }
-    if (all_done) break;
+    int32_t stop = all_done;
+    if (lockstep) lockstep->all_reduce(&stop, 1, DType::I32, ReduceOp::Min);
+    if (stop) break;
   }
   return out;
 }
@@ -66,14 +68,20 @@ std::pair<int64_t, int64_t> dp_block(int64_t n, Communicator& dp) {
 }
 }  // namespace
 
+int64_t lockstep_count(int64_t mine, Communicator& dp, bool lockstep) {
+  if (lockstep && dp.size() > 1) dp.all_reduce(&mine, 1, DType::I64, ReduceOp::Max);
+  return mine;
+}
+
 double exact_match(const ArgmaxFn& model, const Tokenizer& tok, const std::vector<EvalProblem>& problems,
-                   int64_t max_new_tokens, Communicator& dp, const PackLayout& layout) {
+                   int64_t max_new_tokens, Communicator& dp, const PackLayout& layout, bool lockstep) {
   auto [b, e] = dp_block(static_cast<int64_t>(problems.size()), dp);
   std::vector<std::vector<int32_t>> prompts;
   for (int64_t i = b; i < e; ++i) prompts.push_back(problems[static_cast<size_t>(i)].prompt);
   int64_t correct = 0;
-  if (!prompts.empty()) {
-    auto gen = greedy_generate(model, prompts, max_new_tokens, tok.eos_id(), tok.pad_id(), layout);
+  if (!prompts.empty() || lockstep) {
+    auto gen = greedy_generate(model, prompts, max_new_tokens, tok.eos_id(), tok.pad_id(), layout,
+                               lockstep ? &dp : nullptr);
     for (size_t i = 0; i < gen.size(); ++i)
       correct += tok.decode(gen[i]) == problems[static_cast<size_t>(b) + i].answer;
   }
@@ -82,12 +90,13 @@ double exact_match(const ArgmaxFn& model, const Tokenizer& tok, const std::vecto
 }
 
 double validation_loss(const LossFn& model, const Dataset& data, int64_t n, int64_t seq_len, int32_t pad_id,
-                       int64_t batch, Communicator& dp, const PackLayout& layout) {
+                       int64_t batch, Communicator& dp, const PackLayout& layout, bool lockstep) {
   if (data.size() >= 0) n = std::min(n, data.size());
   auto [b, e] = dp_block(n, dp);
   double sums[2] = {0, 0};  // loss sum, token count
-  for (int64_t i = b; i < e; i += batch) {
-    std::vector<Sample> samples;
+  const int64_t calls = lockstep_count((e - b + batch - 1) / batch, dp, lockstep);
+  for (int64_t c = 0, i = b; c < calls; ++c, i += batch) {
+    std::vector<Sample> samples;  // empty past this rank's share: a pad-only microbatch (lockstep)
     for (int64_t j = i; j < std::min(e, i + batch); ++j) {
       Sample s = data.get(j);
       if (static_cast<int64_t>(s.tokens.size()) > seq_len + 1) {

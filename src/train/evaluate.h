@@ -24,15 +24,23 @@ LossFn loss_fn(Transformer& model);
 std::vector<std::vector<int32_t>> greedy_generate(const ArgmaxFn& model,
                                                   const std::vector<std::vector<int32_t>>& prompts,
                                                   int64_t max_new_tokens, int32_t eos_id, int32_t pad_id,
-                                                  const PackLayout& layout = {});
+                                                  const PackLayout& layout = {}, Communicator* lockstep = nullptr);
 
 // Fraction of problems whose greedy completion decodes exactly to the answer. Problems are split over
 // dp (contiguous blocks); the count is summed over dp.
+//
+// lockstep (here and in validation_loss, score_samples): every DP rank runs the same number of model
+// calls (padding with calls on a pad-only microbatch, and agreeing when generation stops), because the
+// model's calls are collective across DP replicas (expert parallelism).
 double exact_match(const ArgmaxFn& model, const Tokenizer& tok, const std::vector<EvalProblem>& problems,
-                   int64_t max_new_tokens, Communicator& dp, const PackLayout& layout = {});
+                   int64_t max_new_tokens, Communicator& dp, const PackLayout& layout = {},
+                   bool lockstep = false);
 
 // Mean token loss over samples [0, n) of a dataset (split over dp, summed exactly).
 double validation_loss(const LossFn& model, const Dataset& data, int64_t n, int64_t seq_len, int32_t pad_id,
-                       int64_t batch, Communicator& dp, const PackLayout& layout = {});
+                       int64_t batch, Communicator& dp, const PackLayout& layout = {}, bool lockstep = false);
+
+// The number of calls every rank makes when mine are needed here: the maximum over dp under lockstep.
+int64_t lockstep_count(int64_t mine, Communicator& dp, bool lockstep);
 
 }  // namespace ndt

@@ -3,12 +3,13 @@
 #include <algorithm>
 
 #include "core/check.h"
+#include "train/evaluate.h"
 
 namespace ndt {
 
 std::vector<SampleScores> score_samples(PipelineEngine& engine, const std::vector<Sample>& samples, int64_t k,
                                         const PackLayout& layout, int32_t pad_id, Communicator& dp,
-                                        int64_t batch) {
+                                        int64_t batch, bool lockstep) {
   NDT_CHECK(batch >= 1 && k >= 1, "score_samples: batch {} and k {} must be >= 1", batch, k);
   const int64_t n = static_cast<int64_t>(samples.size());
   // Scored rows of each sample and their offsets in one flat buffer (the same on every rank).
@@ -25,9 +26,10 @@ std::vector<SampleScores> score_samples(PipelineEngine& engine, const std::vecto
   const int64_t per = (n + dp.size() - 1) / dp.size();
   const int64_t b = std::min(n, per * dp.rank()), e = std::min(n, b + per);
   // Engine calls are collective within one replica (its PP, TP and CP groups) only.
-  for (int64_t first = b; first < e; first += batch) {
-    const int64_t last = std::min(e, first + batch);
-    std::vector<Sample> group(samples.begin() + first, samples.begin() + last);
+  const int64_t calls = lockstep_count((e - b + batch - 1) / batch, dp, lockstep);
+  for (int64_t c = 0, first = b; c < calls; ++c, first += batch) {
+    const int64_t last = std::max(first, std::min(e, first + batch));  // past the share: pad-only (lockstep)
+    std::vector<Sample> group(samples.begin() + std::min(first, last), samples.begin() + last);
     Microbatch mb = pack_samples(group, pad_id, layout);
     PipelineEngine::Scores sc = engine.scores(mb, k);
     for (int64_t i = first; i < last; ++i) {

@@ -21,6 +21,6 @@ struct SampleScores {
 // longer than layout.max_len + 1 tokens are scored on their first max_len + 1 tokens.
 std::vector<SampleScores> score_samples(PipelineEngine& engine, const std::vector<Sample>& samples, int64_t k,
                                         const PackLayout& layout, int32_t pad_id, Communicator& dp,
-                                        int64_t batch);
+                                        int64_t batch, bool lockstep = false);
 
 }  // namespace ndt

@@ -88,7 +88,15 @@ std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
   std::vector<int64_t> lengths;
   for (const Sample& s : samples) lengths.push_back(packed_length(s, layout));
   const int64_t budget = cfg_.data.pack_tokens > 0 ? cfg_.data.pack_tokens : mbs * cfg_.data.seq_len;
-  for (const auto& bin : pack_into_microbatches(lengths, budget, pack_count_multiple_)) {
+  auto bins = pack_into_microbatches(lengths, budget, pack_count_multiple_);
+  if (c_.ep_hooks && c_.dp->size() > 1) {
+    // Expert parallelism couples the DP replicas in every MoE layer: all of them run the same number of
+    // microbatches (the largest any of them needs).
+    int64_t m = static_cast<int64_t>(bins.size());
+    c_.dp->all_reduce(&m, 1, DType::I64, ReduceOp::Max);
+    if (m != static_cast<int64_t>(bins.size())) bins = pack_into_microbatches(lengths, budget, pack_count_multiple_, m);
+  }
+  for (const auto& bin : bins) {
     std::vector<Sample> group;
     for (int64_t i : bin) group.push_back(samples[static_cast<size_t>(i)]);
     out.push_back(pack_samples(group, tok_.pad_id(), layout));
@@ -155,7 +163,7 @@ StepStats Trainer::train_step(int64_t step) {
 std::vector<SampleScores> Trainer::score(const std::vector<Sample>& samples, int64_t k) {
   const int64_t per_rank = cfg_.train.global_batch / c_.dp->size();
   return score_samples(*engine_, samples, k, pack_layout_(), tok_.pad_id(), *c_.dp,
-                       cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : per_rank);
+                       cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : per_rank, lockstep());
 }
 
 EvalStats Trainer::evaluate() {
@@ -168,13 +176,15 @@ EvalStats Trainer::evaluate() {
     ArgmaxFn fn = [this](const Microbatch& mb, const std::vector<int64_t>& rows) {
       return engine_->argmax(mb, rows);
     };
-    ev.exact_match = exact_match(fn, tok_, problems, cfg_.data.addition_digits + 2, *c_.dp, layout);
+    ev.exact_match = exact_match(fn, tok_, problems, cfg_.data.addition_digits + 2, *c_.dp, layout,
+                                 lockstep());
   }
   if (val_) {
     ev.val_loss =
         validation_loss([this](const Microbatch& mb) { return engine_->loss_sum(mb); }, *val_,
                         cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
-                        std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp, layout);
+                        std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp, layout,
+                        lockstep());
   }
   evals_.push_back(ev);
   return ev;

@@ -90,6 +90,8 @@ class Trainer {
   std::vector<Microbatch> local_microbatches(int64_t step) const;
   // Padding rules of this layout's packed microbatches (2·cp per sequence, tp·2·cp per stream under SP).
   PackLayout pack_layout_() const;
+  // Whether DP replicas must make the same model calls (expert parallelism exchanges tokens between them).
+  bool lockstep() const { return c_.ep_hooks != nullptr; }
   void copy_slices(const std::map<std::string, const Tensor*>& by_name);
   void gather_pipeline_params(std::vector<std::pair<std::string, Tensor>>& full, Communicator& pp);
   void report_pipeline(bool logger);
