@@ -105,11 +105,15 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
     std::printf(
         "ndtrain: %s model, %lld parameters, task %s, %d rank(s) [%s%s%s]\n", cfg_.model.style.c_str(),
         static_cast<long long>(n_params), cfg_.data.task.c_str(), c_.world->size(),
-        fmt::format("tp={} dp={} pp={}", cfg_.parallel.tp, cfg_.parallel.dp, cfg_.parallel.pp).c_str(),
+        fmt::format("tp={} cp={} ep={} dp={} pp={}", cfg_.parallel.tp, cfg_.parallel.cp, cfg_.parallel.ep,
+                    cfg_.parallel.dp, cfg_.parallel.pp)
+            .c_str(),
         cfg_.parallel.sequence_parallel ? " sp" : "", cfg_.parallel.zero1 ? " zero1" : "");
     std::fflush(stdout);
   }
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
+  std::vector<int64_t> load_steps, load_layers;
+  std::vector<std::vector<std::vector<double>>> loads;  // [MoE layer][step][expert]
   auto log_eval = [&](int64_t step) {
     EvalStats ev = evaluate();
     if (!logger) return;
@@ -142,12 +146,29 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
                             {"peak_mem_gib", st.peak_mem_gib},
                             {"elapsed_seconds", elapsed}};
       if (!st.peak_mem_gib_per_rank.empty()) rec["peak_mem_gib_per_rank"] = st.peak_mem_gib_per_rank;
+      if (st.moe.active) {
+        rec["moe_aux_loss"] = st.moe.aux_loss;
+        rec["moe_z_loss"] = st.moe.z_loss;
+        rec["expert_load_max_over_mean"] = st.moe.load_ratio;
+        rec["moe_dropped_fraction"] = st.moe.dropped;
+        nlohmann::json per_layer;
+        for (size_t i = 0; i < st.moe.layers.size(); ++i)
+          per_layer[std::to_string(st.moe.layers[i])] = st.moe.load[i];
+        rec["expert_load"] = per_layer;
+        load_layers = st.moe.layers;
+        load_steps.push_back(step);
+        loads.resize(st.moe.load.size());
+        for (size_t i = 0; i < st.moe.load.size(); ++i) loads[i].push_back(st.moe.load[i]);
+      }
       metrics->write(rec).throw_if_error();
       if (step % tc.log_every == 0 || step == tc.steps - 1) {
         const double done = static_cast<double>(step + 1 - start_step_);
         const double tps = tokens_per_step * done / elapsed;
         const double eta = elapsed / done * static_cast<double>(tc.steps - step - 1);
-        const std::string mem = st.peak_mem_gib > 0 ? fmt::format(" | mem {:.2f} GiB", st.peak_mem_gib) : "";
+        std::string mem = st.peak_mem_gib > 0 ? fmt::format(" | mem {:.2f} GiB", st.peak_mem_gib) : "";
+        if (st.moe.active)
+          mem += fmt::format(" | aux {:.4f} z {:.4f} | load max/mean {:.2f}", st.moe.aux_loss, st.moe.z_loss,
+                             st.moe.load_ratio);
         std::printf(
             "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | step %.1f ms%s | elapsed %s "
             "| "
@@ -192,7 +213,13 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
     write_loss_svg(train_curve, val_curve, (dir / "loss.svg").string(),
                    fmt::format("{} on {} ({} steps)", cfg_.model.style, cfg_.data.task, step))
         .throw_if_error();
-    std::printf("wrote %s/{model.safetensors, metrics.jsonl, loss.svg, config.yaml}\n", tc.out_dir.c_str());
+    if (!load_layers.empty())
+      write_expert_load_svg(load_steps, load_layers, loads, (dir / "expert_load.svg").string(),
+                            fmt::format("expert load, {} experts top-{}", cfg_.model.moe.num_experts,
+                                        cfg_.model.moe.top_k))
+          .throw_if_error();
+    std::printf("wrote %s/{model.safetensors, metrics.jsonl, loss.svg, config.yaml%s}\n", tc.out_dir.c_str(),
+                load_layers.empty() ? "" : ", expert_load.svg");
     std::fflush(stdout);
   }
 }
