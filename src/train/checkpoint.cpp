@@ -248,7 +248,8 @@ Result<std::vector<CheckpointSlice>> checkpoint_slices_from_json(const std::stri
 
 Result<std::vector<CheckpointSlice>> write_checkpoint_shard(const std::string& step_dir,
                                                             const std::string& file, const ParamStore& params,
-                                                            const Tensor& full_m, const Tensor& full_v) {
+                                                            const Tensor& full_m, const Tensor& full_v,
+                                                            bool write_dense) {
   const std::string path = join(step_dir, file);
   if (full_m.defined() != full_v.defined())
     return Status::error(
@@ -265,6 +266,7 @@ Result<std::vector<CheckpointSlice>> write_checkpoint_shard(const std::string& s
   try {
     for (const auto& pp : params.all()) {
       const Param& p = *pp;
+      if (!p.expert && !write_dense) continue;
       if (!p.value.defined())
         return Status::error(fmt::format("checkpoint shard '{}': parameter {} has no value", path, p.name));
       CheckpointSlice s;
@@ -397,7 +399,7 @@ Status publish_checkpoint(const std::string& dir_in, const std::string& tmp_dir,
 
 Status save_checkpoint(const std::string& dir_in, const ParamStore& params, const Tensor& full_m,
                        const Tensor& full_v, const CheckpointMeta& meta, bool writer, int keep_last,
-                       Communicator& world) {
+                       Communicator& world, bool write_dense) {
   const std::string dir = strip_slash(dir_in);
   const std::string tmp = fmt::format("{}.tmp-{}", dir, meta.step);
   const int rank = world.rank();
@@ -417,7 +419,8 @@ Status save_checkpoint(const std::string& dir_in, const ParamStore& params, cons
   std::vector<CheckpointSlice> mine;
   Status local;
   if (writer) {
-    auto r = write_checkpoint_shard(tmp, fmt::format("shard-{}.safetensors", rank), params, full_m, full_v);
+    auto r = write_checkpoint_shard(tmp, fmt::format("shard-{}.safetensors", rank), params, full_m, full_v,
+                                    write_dense);
     if (r)
       mine = std::move(r.value());
     else

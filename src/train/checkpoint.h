@@ -36,9 +36,11 @@ struct CheckpointMeta {
 // keep_last (0 = keep all). Every rank returns the same Status.
 // Test hook: env NDT_CHECKPOINT_CRASH_AFTER_SHARDS=1 makes world rank 0 call std::_Exit(3) after the
 // shards are written and before the index/rename.
+// write_dense = false: this writer writes only its expert params (Param::expert; under expert parallelism
+// every EP rank of a replica writes its experts, one rank the rest).
 Status save_checkpoint(const std::string& dir, const ParamStore& params, const Tensor& full_m,
                        const Tensor& full_v, const CheckpointMeta& meta, bool writer, int keep_last,
-                       Communicator& world);
+                       Communicator& world, bool write_dense = true);
 
 // Resolves DIR (a step dir with index.json, or a parent with `latest`) to a step dir path.
 Result<std::string> resolve_checkpoint(const std::string& dir);
@@ -69,7 +71,8 @@ std::string checkpoint_step_name(int64_t step);
 // into step_dir/file and returns the slice list.
 Result<std::vector<CheckpointSlice>> write_checkpoint_shard(const std::string& step_dir,
                                                             const std::string& file, const ParamStore& params,
-                                                            const Tensor& full_m, const Tensor& full_v);
+                                                            const Tensor& full_m, const Tensor& full_v,
+                                                            bool write_dense = true);
 
 // Writes step_dir/index.json from the slices of all writers. Identical slices written by several ranks
 // (TP-replicated params, the tied embedding on two pipeline stages) are listed once (the first file).

@@ -14,17 +14,18 @@ void Trainer::save_checkpoint(int64_t steps_done) {
   meta.step = steps_done;
   meta.optimizer_steps = opt_->steps_taken();
   meta.config_yaml = config_to_yaml(cfg_);
-  meta.layout = fmt::format("tp={} cp={} dp={} pp={} virtual_stages={}{}", cfg_.parallel.tp, cfg_.parallel.cp,
-                            cfg_.parallel.dp, cfg_.parallel.pp, cfg_.parallel.virtual_stages,
+  meta.layout = fmt::format("tp={} cp={} ep={} dp={} pp={} virtual_stages={}{}", cfg_.parallel.tp, cfg_.parallel.cp,
+                            cfg_.parallel.ep, cfg_.parallel.dp, cfg_.parallel.pp, cfg_.parallel.virtual_stages,
                             cfg_.parallel.zero1 ? " zero1" : "");
   const std::string dir = cfg_.train.checkpoint_dir.empty()
                               ? (std::filesystem::path(cfg_.train.out_dir) / "checkpoints").string()
                               : cfg_.train.checkpoint_dir;
-  // DP x CP replicas hold identical slices: rank 0 of that group at each (tp, pp) coordinate writes them.
+  // DP x CP replicas hold identical slices: rank 0 of that group at each (tp, pp) coordinate writes them;
+  // expert slices differ over EP: rank 0 of each expert-data-parallel group writes its experts.
   engine_->params().with_host_values(
       [&] {
-        ndt::save_checkpoint(dir, engine_->params(), full_m, full_v, meta, c_.grad->rank() == 0,
-                             static_cast<int>(cfg_.train.keep_last), *c_.world)
+        ndt::save_checkpoint(dir, engine_->params(), full_m, full_v, meta, c_.expert_dp->rank() == 0,
+                             static_cast<int>(cfg_.train.keep_last), *c_.world, c_.grad->rank() == 0)
             .throw_if_error();
       },
       /*write_back=*/false);
