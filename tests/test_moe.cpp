@@ -37,7 +37,8 @@ void router_check(bool sigmoid, bool renorm) {
     for (size_t i = 0; i < P.size(); ++i) v += static_cast<double>(dP[i]) * P[i];
     for (int64_t t = 0; t < N; ++t) {
       double mx = -1e30, s = 0;
-      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, static_cast<double>(logits[static_cast<size_t>(t * E + e)]));
+      for (int64_t e = 0; e < E; ++e)
+        mx = std::max(mx, static_cast<double>(logits[static_cast<size_t>(t * E + e)]));
       for (int64_t e = 0; e < E; ++e) s += std::exp(logits[static_cast<size_t>(t * E + e)] - mx);
       v += dz[static_cast<size_t>(t)] * (mx + std::log(s));
     }
@@ -74,8 +75,8 @@ TEST(MoeRouter, SigmoidBiasSelectsButDoesNotWeigh) {
   const std::vector<float> logits = {2.0f, 1.0f, 0.0f, -1.0f};
   const std::vector<float> bias = {0.0f, 0.0f, 5.0f, 0.0f};
   const Routing r = route(logits.data(), bias.data(), 1, spec);
-  EXPECT_EQ(r.choice[0], 2);          // selected through its bias
-  EXPECT_FLOAT_EQ(r.gate[0], 1.0f);   // renormalised over the one chosen expert
+  EXPECT_EQ(r.choice[0], 2);         // selected through its bias
+  EXPECT_FLOAT_EQ(r.gate[0], 1.0f);  // renormalised over the one chosen expert
   spec.renormalize = false;
   const Routing raw = route(logits.data(), bias.data(), 1, spec);
   EXPECT_NEAR(raw.gate[0], 0.5f, 1e-6);  // sigmoid(0): the bias never enters the weight
@@ -115,7 +116,8 @@ Microbatch moe_batch(std::mt19937& rng, int64_t vocab) {
     samples.push_back(s);
   }
   PackLayout layout;
-  layout.seq_multiple = layout.stream_multiple = 4;  // padding tokens: routed, but outside every balancing statistic
+  layout.seq_multiple = layout.stream_multiple =
+      4;  // padding tokens: routed, but outside every balancing statistic
   return pack_samples(samples, 0, layout);
 }
 
@@ -139,7 +141,8 @@ void model_gradcheck(const ModelConfig& cfg) {
     for (auto& [l, layer] : m.moe_layers()) v += layer->stats().aux + layer->stats().z;
     if (choices) {
       choices->clear();
-      for (auto& la : a.layers) choices->insert(choices->end(), la.moe.routing.choice.begin(), la.moe.routing.choice.end());
+      for (auto& la : a.layers)
+        choices->insert(choices->end(), la.moe.routing.choice.begin(), la.moe.routing.choice.end());
     }
     ctx.record = false;
     return v;
@@ -149,7 +152,8 @@ void model_gradcheck(const ModelConfig& cfg) {
   {
     Activations a;
     m.forward(mb, Tensor(), a);
-    for (auto& la : a.layers) base.insert(base.end(), la.moe.routing.choice.begin(), la.moe.routing.choice.end());
+    for (auto& la : a.layers)
+      base.insert(base.end(), la.moe.routing.choice.begin(), la.moe.routing.choice.end());
     m.backward(mb, Tensor(), 1.0f, a);
   }
   float G = 0;
@@ -197,21 +201,25 @@ TEST(MoeConfig, BadInputNamesTheKeys) {
     auto r = parse_config_string("model: {style: llama}\n", sets);
     return r ? std::string("ok") : r.status().message();
   };
-  EXPECT_NE(err({"model.moe.num_experts=4", "model.moe.top_k=5"}).find("model.moe.top_k (5) must be <= model.moe.num_experts (4)"),
+  EXPECT_NE(err({"model.moe.num_experts=4", "model.moe.top_k=5"})
+                .find("model.moe.top_k (5) must be <= model.moe.num_experts (4)"),
             std::string::npos);
-  EXPECT_NE(err({"parallel.ep=2", "parallel.dp=2"}).find("needs a Mixture-of-Experts model"), std::string::npos);
+  EXPECT_NE(err({"parallel.ep=2", "parallel.dp=2"}).find("needs a Mixture-of-Experts model"),
+            std::string::npos);
   EXPECT_NE(err({"model.moe.num_experts=6", "parallel.ep=4", "parallel.dp=4"})
                 .find("model.moe.num_experts (6) must be divisible by parallel.ep (4)"),
             std::string::npos);
   EXPECT_NE(err({"model.moe.num_experts=4", "parallel.ep=4", "parallel.dp=2", "train.global_batch=8"})
                 .find("parallel.ep (4) must divide parallel.dp * parallel.cp = 2 * 1 = 2"),
             std::string::npos);
-  EXPECT_NE(err({"model.moe.num_experts=4", "model.moe.router=topk"}).find("model.moe.router"), std::string::npos);
+  EXPECT_NE(err({"model.moe.num_experts=4", "model.moe.router=topk"}).find("model.moe.router"),
+            std::string::npos);
   EXPECT_EQ(err({"model.moe.num_experts=4", "parallel.ep=2", "parallel.cp=2", "data.seq_len=32"}), "ok");
 }
 
 TEST(MoeConfig, RoundTripsThroughYaml) {
-  auto c = parse_config_string("model: {style: gpt2, moe: {num_experts: 8, top_k: 1, router: sigmoid}}\n", {});
+  auto c =
+      parse_config_string("model: {style: gpt2, moe: {num_experts: 8, top_k: 1, router: sigmoid}}\n", {});
   ASSERT_TRUE(c) << c.status().message();
   auto again = parse_config_string(config_to_yaml(c.value()), {});
   ASSERT_TRUE(again) << again.status().message();

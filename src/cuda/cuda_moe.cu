@@ -32,8 +32,8 @@ __global__ void permute_kernel(E* out, const E* x, const int32_t* src, const flo
 }
 
 template <typename E>
-__global__ void unpermute_kernel(E* out, const E* y, const int32_t* pos, const float* gates, int64_t k, int64_t C,
-                                 bool accumulate) {
+__global__ void unpermute_kernel(E* out, const E* y, const int32_t* pos, const float* gates, int64_t k,
+                                 int64_t C, bool accumulate) {
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     float acc = accumulate ? to_f(out[t * C + c]) : 0.0f;
@@ -78,24 +78,25 @@ void moe_permute(E* out, const E* x, const int32_t* src, const float* scale, int
 }
 
 template <typename E>
-void moe_unpermute(E* out, const E* y, const int32_t* pos, const float* gates, int64_t N, int64_t k, int64_t C,
-                   bool accumulate, cudaStream_t stream) {
+void moe_unpermute(E* out, const E* y, const int32_t* pos, const float* gates, int64_t N, int64_t k,
+                   int64_t C, bool accumulate, cudaStream_t stream) {
   if (N > 0)
-    unpermute_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(out, y, pos, gates, k, C, accumulate);
+    unpermute_kernel<E>
+        <<<static_cast<unsigned>(N), kThreads, 0, stream>>>(out, y, pos, gates, k, C, accumulate);
 }
 
 template <typename E>
-void moe_gate_grad(float* dgates, const E* dout, const E* y, const int32_t* pos, int64_t N, int64_t k, int64_t C,
-                   cudaStream_t stream) {
+void moe_gate_grad(float* dgates, const E* dout, const E* y, const int32_t* pos, int64_t N, int64_t k,
+                   int64_t C, cudaStream_t stream) {
   if (N * k > 0)
     gate_grad_kernel<E><<<static_cast<unsigned>(N * k), kThreads, 0, stream>>>(dgates, dout, y, pos, k, C);
 }
 
-#define NDT_INSTANTIATE(E)                                                                                      \
-  template void moe_permute<E>(E*, const E*, const int32_t*, const float*, int64_t, int64_t, cudaStream_t);     \
-  template void moe_unpermute<E>(E*, const E*, const int32_t*, const float*, int64_t, int64_t, int64_t, bool, \
-                                 cudaStream_t);                                                                 \
-  template void moe_gate_grad<E>(float*, const E*, const E*, const int32_t*, int64_t, int64_t, int64_t,         \
+#define NDT_INSTANTIATE(E)                                                                                  \
+  template void moe_permute<E>(E*, const E*, const int32_t*, const float*, int64_t, int64_t, cudaStream_t); \
+  template void moe_unpermute<E>(E*, const E*, const int32_t*, const float*, int64_t, int64_t, int64_t,     \
+                                 bool, cudaStream_t);                                                       \
+  template void moe_gate_grad<E>(float*, const E*, const E*, const int32_t*, int64_t, int64_t, int64_t,     \
                                  cudaStream_t);
 NDT_INSTANTIATE(float)
 NDT_INSTANTIATE(__nv_bfloat16)

@@ -97,8 +97,8 @@ std::vector<std::vector<int64_t>> pack_into_microbatches(const std::vector<int64
     return lengths[static_cast<size_t>(a)] > lengths[static_cast<size_t>(b)];
   });
   NDT_CHECK(min_count <= n, "packing: {} microbatches asked for {} samples", min_count, n);
-  for (int64_t m = round_up(std::max<int64_t>({1, (total + budget - 1) / budget, min_count}), count_multiple); m <= n;
-       m += count_multiple) {
+  for (int64_t m = round_up(std::max<int64_t>({1, (total + budget - 1) / budget, min_count}), count_multiple);
+       m <= n; m += count_multiple) {
     std::vector<std::vector<int64_t>> bins(static_cast<size_t>(m));
     std::vector<int64_t> load(static_cast<size_t>(m), 0);
     bool fits = true;

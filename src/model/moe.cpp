@@ -79,7 +79,8 @@ void MoeLayer::balance_terms(const Microbatch& mb, int64_t tok0, MoeActs& a) {
   const bool record = ctx_ && ctx_->record;
   if (record)
     for (int64_t i = 0; i < N * k_; ++i) {
-      if (seq[static_cast<size_t>(i / k_)] >= 0) stats_.load[static_cast<size_t>(a.routing.choice[static_cast<size_t>(i)])] += 1;
+      if (seq[static_cast<size_t>(i / k_)] >= 0)
+        stats_.load[static_cast<size_t>(a.routing.choice[static_cast<size_t>(i)])] += 1;
       stats_.dropped += seq[static_cast<size_t>(i / k_)] >= 0 && a.routing.kept[static_cast<size_t>(i)] == 0;
     }
   if (!ctx_) return;
@@ -140,9 +141,11 @@ Tensor MoeLayer::forward(const Microbatch& mb, int64_t tok0, const Tensor& x, Mo
   // Permutation: kept slots sorted by (expert, token, slot).
   std::vector<int64_t> counts(static_cast<size_t>(E_), 0);
   for (int64_t i = 0; i < N * k_; ++i)
-    if (a.routing.kept[static_cast<size_t>(i)]) ++counts[static_cast<size_t>(a.routing.choice[static_cast<size_t>(i)])];
+    if (a.routing.kept[static_cast<size_t>(i)])
+      ++counts[static_cast<size_t>(a.routing.choice[static_cast<size_t>(i)])];
   std::vector<int64_t> next(static_cast<size_t>(E_), 0);
-  for (int64_t e = 1; e < E_; ++e) next[static_cast<size_t>(e)] = next[static_cast<size_t>(e - 1)] + counts[static_cast<size_t>(e - 1)];
+  for (int64_t e = 1; e < E_; ++e)
+    next[static_cast<size_t>(e)] = next[static_cast<size_t>(e - 1)] + counts[static_cast<size_t>(e - 1)];
   const int64_t R = next.back() + counts.back();
   a.slot_pos = Tensor::empty({N * k_}, DType::I32);
   a.gates = Tensor::empty({N * k_}, DType::F32);
@@ -199,7 +202,8 @@ void MoeLayer::expert_forward(int64_t e, int64_t row0, int64_t n, MoeActs& a, Te
   }
 }
 
-void MoeLayer::expert_backward(int64_t e, int64_t row0, int64_t n, MoeActs& a, const Tensor& dye, Tensor& dxe) {
+void MoeLayer::expert_backward(int64_t e, int64_t row0, int64_t n, MoeActs& a, const Tensor& dye,
+                               Tensor& dxe) {
   auto rows = [&](const Tensor& t, int64_t width) { return t.view_at(row0 * width, {n, width}); };
   auto mat = [&](Param* p, int64_t r, int64_t c) { return p->compute_value().view_at(e * r * c, {r, c}); };
   auto dmat = [&](Param* p, int64_t r, int64_t c) { return p->grad.view_at(e * r * c, {r, c}); };
@@ -246,8 +250,8 @@ Tensor MoeLayer::backward(const Tensor& dy, MoeActs& a) {
   ops::moe_unpermute(dx, dxp, a.slot_pos, nullptr, k_, /*accumulate=*/false);
   // Router: gates, balancing probabilities and z-loss -> logits -> router weight and input.
   std::vector<float> dlogits(static_cast<size_t>(N * E_));
-  router_backward(dlogits.data(), a.routing, spec_, a.logits.data(), dg.data(), a.dP.empty() ? nullptr : a.dP.data(),
-                  a.dz.empty() ? nullptr : a.dz.data());
+  router_backward(dlogits.data(), a.routing, spec_, a.logits.data(), dg.data(),
+                  a.dP.empty() ? nullptr : a.dP.data(), a.dz.empty() ? nullptr : a.dz.data());
   if (N > 0) {
     const Tensor dl = on_device(dlogits, {N, E_}, dev);
     Tensor dxf = Tensor::empty({N, C_}, DType::F32, dev);

@@ -59,9 +59,9 @@ struct MoeActs {
   Tensor gates;                // (N * k) f32 host (0 where dropped)
   Tensor row_token, row_gate;  // (R) i32 / f32 host: token and gate of each permuted row
   EpPlan plan;
-  Tensor xe;                   // (Re, C) rows of this rank's experts, grouped by local expert
-  Tensor h1, h3, act;          // (Re, F) fc or gate; up (llama); activation
-  Tensor yp;                   // (R, C) expert outputs back on this rank, in permuted order
+  Tensor xe;           // (Re, C) rows of this rank's experts, grouped by local expert
+  Tensor h1, h3, act;  // (Re, F) fc or gate; up (llama); activation
+  Tensor yp;           // (R, C) expert outputs back on this rank, in permuted order
 };
 
 class MoeLayer {

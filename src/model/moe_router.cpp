@@ -28,7 +28,8 @@ Routing route(const float* logits, const float* bias, int64_t N, const RouterSpe
       const float mx = *std::max_element(l, l + E);
       double sum = 0;
       for (int64_t e = 0; e < E; ++e) sum += std::exp(static_cast<double>(l[e] - mx));
-      for (int64_t e = 0; e < E; ++e) s[e] = static_cast<float>(std::exp(static_cast<double>(l[e] - mx)) / sum);
+      for (int64_t e = 0; e < E; ++e)
+        s[e] = static_cast<float>(std::exp(static_cast<double>(l[e] - mx)) / sum);
     }
     for (int64_t e = 0; e < E; ++e) sel[static_cast<size_t>(e)] = s[e] + (bias ? bias[e] : 0.0f);
     std::iota(idx.begin(), idx.end(), 0);
@@ -41,16 +42,16 @@ Routing route(const float* logits, const float* bias, int64_t N, const RouterSpe
     for (int64_t j = 0; j < k; ++j) {
       const int32_t e = idx[static_cast<size_t>(j)];
       r.choice[static_cast<size_t>(t * k + j)] = e;
-      r.gate[static_cast<size_t>(t * k + j)] =
-          spec.renormalize ? static_cast<float>(s[e] / raw_sum) : s[e];
+      r.gate[static_cast<size_t>(t * k + j)] = spec.renormalize ? static_cast<float>(s[e] / raw_sum) : s[e];
     }
   }
   if (spec.capacity_factor > 0) {
-    const auto cap = static_cast<int64_t>(std::ceil(spec.capacity_factor * static_cast<double>(N * k) /
-                                                    static_cast<double>(E)));
+    const auto cap = static_cast<int64_t>(
+        std::ceil(spec.capacity_factor * static_cast<double>(N * k) / static_cast<double>(E)));
     std::vector<int64_t> used(static_cast<size_t>(E), 0);
     for (int64_t i = 0; i < N * k; ++i)
-      if (used[static_cast<size_t>(r.choice[static_cast<size_t>(i)])]++ >= cap) r.kept[static_cast<size_t>(i)] = 0;
+      if (used[static_cast<size_t>(r.choice[static_cast<size_t>(i)])]++ >= cap)
+        r.kept[static_cast<size_t>(i)] = 0;
   }
   return r;
 }
@@ -102,7 +103,8 @@ void router_backward(float* dlogits, const Routing& r, const RouterSpec& spec, c
     }
     float* dl = dlogits + t * E;
     if (spec.sigmoid) {
-      for (int64_t e = 0; e < E; ++e) dl[e] = static_cast<float>(ds[static_cast<size_t>(e)] * s[e] * (1.0 - s[e]));
+      for (int64_t e = 0; e < E; ++e)
+        dl[e] = static_cast<float>(ds[static_cast<size_t>(e)] * s[e] * (1.0 - s[e]));
     } else {
       double pdot = 0;
       for (int64_t e = 0; e < E; ++e) pdot += ds[static_cast<size_t>(e)] * s[e];

@@ -21,11 +21,11 @@ struct RouterSpec {
 };
 
 struct Routing {
-  int64_t rows = 0;              // N tokens
-  std::vector<float> score;      // (N, E) p (softmax) or s (sigmoid)
-  std::vector<int32_t> choice;   // (N * k) chosen expert of each slot, in selection order
-  std::vector<float> gate;       // (N * k)
-  std::vector<uint8_t> kept;     // (N * k) 0 where capacity dropped the slot
+  int64_t rows = 0;             // N tokens
+  std::vector<float> score;     // (N, E) p (softmax) or s (sigmoid)
+  std::vector<int32_t> choice;  // (N * k) chosen expert of each slot, in selection order
+  std::vector<float> gate;      // (N * k)
+  std::vector<uint8_t> kept;    // (N * k) 0 where capacity dropped the slot
 };
 
 // logits (N, E); bias (E) or null (sigmoid selection bias).

@@ -116,7 +116,8 @@ void ParamStore::flatten(int64_t align, int64_t expert_align) {
       offsets_[i] = n;
       n += params_[i]->numel();
     }
-  if (n > expert_begin_) n = expert_begin_ + (n - expert_begin_ + expert_align - 1) / expert_align * expert_align;
+  if (n > expert_begin_)
+    n = expert_begin_ + (n - expert_begin_ + expert_align - 1) / expert_align * expert_align;
   Tensor values = Tensor::zeros({n}), grads = Tensor::zeros({n});
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = *params_[i];

@@ -162,7 +162,8 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
 
   norm_forward(pre + "mlp_norm", a.h, a.n2, a.n2_mean, a.n2_rstd);
   auto it = moe_.find(l);
-  if (it == moe_.end()) return ops::add(a.h, mlp_forward(pre + "mlp.", ffn_local_, a), bias(pre + "mlp.proj.bias"));
+  if (it == moe_.end())
+    return ops::add(a.h, mlp_forward(pre + "mlp.", ffn_local_, a), bias(pre + "mlp.proj.bias"));
   // MoE: routed experts on this rank's residual rows (experts are not split over TP), plus shared experts
   // as a TP-parallel dense MLP.
   Tensor routed = it->second->forward(mb, tp_->local_tokens(mb.num_tokens()).first, a.n2, a.moe);

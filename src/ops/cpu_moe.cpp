@@ -37,7 +37,8 @@ void moe_gate_grad(float* dgates, const float* dout, const float* y, const int32
       const int32_t p = pos[t * k + j];
       double acc = 0;
       if (p >= 0)
-        for (int64_t c = 0; c < C; ++c) acc += static_cast<double>(dout[t * C + c]) * y[static_cast<int64_t>(p) * C + c];
+        for (int64_t c = 0; c < C; ++c)
+          acc += static_cast<double>(dout[t * C + c]) * y[static_cast<int64_t>(p) * C + c];
       dgates[t * k + j] = static_cast<float>(acc);
     }
 }

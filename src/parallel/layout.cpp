@@ -40,12 +40,14 @@ Status validate_layout(const Config& cfg, int world_size) {
   if (!st) return st;
   const std::string layout = fmt::format("tp={} cp={} ep={} dp={} pp={}", p.tp, p.cp, p.ep, p.dp, p.pp);
   if (p.ep > 1 && (p.dp * p.cp) % p.ep != 0)
-    return Status::error(fmt::format("layout {}: parallel.ep = {} must divide dp * cp = {} (experts are sharded "
-                                     "over the data x context parallel ranks)",
-                                     layout, p.ep, p.dp * p.cp));
+    return Status::error(
+        fmt::format("layout {}: parallel.ep = {} must divide dp * cp = {} (experts are sharded "
+                    "over the data x context parallel ranks)",
+                    layout, p.ep, p.dp * p.cp));
   if (p.ep > 1 && cfg.model.moe.num_experts % p.ep != 0)
-    return Status::error(fmt::format("layout {}: model.moe.num_experts = {} is not divisible by parallel.ep = {}",
-                                     layout, cfg.model.moe.num_experts, p.ep));
+    return Status::error(
+        fmt::format("layout {}: model.moe.num_experts = {} is not divisible by parallel.ep = {}", layout,
+                    cfg.model.moe.num_experts, p.ep));
   if (p.cp > 1 && cfg.data.seq_len % (2 * p.cp) != 0)
     return Status::error(
         fmt::format("context parallelism cuts each sequence into 2*cp = {} chunks: data.seq_len ({}) must be "
@@ -130,7 +132,8 @@ Communicator& Layout::expert_group(const std::string& name) {
 std::string Layout::describe() const {
   std::string d = grid_->describe();
   const std::string one = "ep=1";
-  if (auto at = d.find(one); at != std::string::npos) d.replace(at, one.size(), fmt::format("ep={}", ep_->size()));
+  if (auto at = d.find(one); at != std::string::npos)
+    d.replace(at, one.size(), fmt::format("ep={}", ep_->size()));
   return d;
 }
 

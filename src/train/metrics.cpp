@@ -310,8 +310,8 @@ std::string format_count(double value) {
 }
 
 Status write_expert_load_svg(const std::vector<int64_t>& steps, const std::vector<int64_t>& layers,
-                             const std::vector<std::vector<std::vector<double>>>& loads, const std::string& path,
-                             const std::string& title) {
+                             const std::vector<std::vector<std::vector<double>>>& loads,
+                             const std::string& path, const std::string& title) {
   if (layers.size() != loads.size()) return Status::error("expert load plot: one load series per layer");
   const size_t S = steps.size();
   const size_t E = loads.empty() || loads[0].empty() ? 0 : loads[0][0].size();
@@ -326,8 +326,8 @@ Status write_expert_load_svg(const std::vector<int64_t>& steps, const std::vecto
       W, H, W / 2, title);
   double y0 = MT;
   for (size_t i = 0; i < layers.size(); ++i) {
-    o << fmt::format("<text x=\"{}\" y=\"{}\">layer {} (rows: experts 0..{}; columns: steps)</text>\n", ML, y0 - 4,
-                     layers[i], E > 0 ? E - 1 : 0);
+    o << fmt::format("<text x=\"{}\" y=\"{}\">layer {} (rows: experts 0..{}; columns: steps)</text>\n", ML,
+                     y0 - 4, layers[i], E > 0 ? E - 1 : 0);
     for (size_t s = 0; s < S && s < loads[i].size(); ++s) {
       const std::vector<double>& l = loads[i][s];
       double sum = 0;
@@ -335,10 +335,12 @@ Status write_expert_load_svg(const std::vector<int64_t>& steps, const std::vecto
       for (size_t e = 0; e < l.size(); ++e) {
         // share relative to uniform: 0 -> blue, 1 -> white, >= 2 -> red
         const double r = sum > 0 ? std::min(2.0, l[e] * static_cast<double>(l.size()) / sum) : 1.0;
-        const int over = static_cast<int>(255 * std::max(0.0, r - 1.0)), under = static_cast<int>(255 * std::max(0.0, 1.0 - r));
-        o << fmt::format("<rect x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" fill=\"rgb({},{},{})\"/>\n",
-                         ML + static_cast<double>(s) * cell_w, y0 + static_cast<double>(e) * band, cell_w + 0.5, band,
-                         255 - under, 255 - over - under, 255 - over);
+        const int over = static_cast<int>(255 * std::max(0.0, r - 1.0)),
+                  under = static_cast<int>(255 * std::max(0.0, 1.0 - r));
+        o << fmt::format(
+            "<rect x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" fill=\"rgb({},{},{})\"/>\n",
+            ML + static_cast<double>(s) * cell_w, y0 + static_cast<double>(e) * band, cell_w + 0.5, band,
+            255 - under, 255 - over - under, 255 - over);
       }
     }
     for (size_t e = 0; e < E; e += std::max<size_t>(1, E / 8))
@@ -347,9 +349,10 @@ Status write_expert_load_svg(const std::vector<int64_t>& steps, const std::vecto
     y0 += static_cast<double>(E) * band + gap;
   }
   if (S > 0)
-    o << fmt::format("<text x=\"{}\" y=\"{:.1f}\">step {}</text><text x=\"{}\" y=\"{:.1f}\" "
-                     "text-anchor=\"end\">step {}</text>\n",
-                     ML, y0, steps.front(), W - MR, y0, steps.back());
+    o << fmt::format(
+        "<text x=\"{}\" y=\"{:.1f}\">step {}</text><text x=\"{}\" y=\"{:.1f}\" "
+        "text-anchor=\"end\">step {}</text>\n",
+        ML, y0, steps.front(), W - MR, y0, steps.back());
   o << "</svg>\n";
   std::ofstream f(path);
   if (!(f << o.str())) return Status::error("cannot write " + path);

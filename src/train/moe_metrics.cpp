@@ -18,7 +18,8 @@ MoeStepReport finish_moe_step(const Config& cfg, const std::vector<std::pair<int
   const bool count_here = cfg.parallel.sequence_parallel || tp.rank() == 0;
   for (const auto& [l, m] : layers) {
     if (!count_here) break;
-    const auto row = static_cast<size_t>(std::find(rep.layers.begin(), rep.layers.end(), l) - rep.layers.begin()) * W;
+    const auto row =
+        static_cast<size_t>(std::find(rep.layers.begin(), rep.layers.end(), l) - rep.layers.begin()) * W;
     const MoeStats& s = m->stats();
     for (int64_t e = 0; e < E; ++e) buf[row + static_cast<size_t>(e)] = s.load[static_cast<size_t>(e)];
     buf[row + static_cast<size_t>(E)] = s.aux;
@@ -45,7 +46,8 @@ MoeStepReport finish_moe_step(const Config& cfg, const std::vector<std::pair<int
   }
   rep.dropped = slots > 0 ? dropped / slots : 0.0;
   for (const auto& [l, m] : layers) {
-    const auto i = static_cast<size_t>(std::find(rep.layers.begin(), rep.layers.end(), l) - rep.layers.begin());
+    const auto i =
+        static_cast<size_t>(std::find(rep.layers.begin(), rep.layers.end(), l) - rep.layers.begin());
     m->update_expert_bias(rep.load[i]);
   }
   return rep;

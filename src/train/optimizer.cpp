@@ -86,7 +86,8 @@ bool Optimizer::overlaps_reduction() const {
 void Optimizer::reduce_early(int64_t begin, int64_t end) {
   NDT_CHECK(overlaps_reduction() && begin >= 0 && begin < end && end <= regions_.front().end &&
                 regions_.front().dp == c_.dp,
-            "reduce_early [{}, {}): needs plain DP over NCCL and a range of the dense flat region", begin, end);
+            "reduce_early [{}, {}): needs plain DP over NCCL and a range of the dense flat region", begin,
+            end);
 #ifdef NDT_HAVE_NCCL
   std::shared_ptr<CommHandle> h = as_nccl(c_.dp)->all_reduce_async(params_.flat_grads().f32() + begin,
                                                                    end - begin, DType::F32, ReduceOp::Sum);
@@ -107,8 +108,8 @@ double Optimizer::reduce_and_clip(double clip) {
   for (Region& r : regions_) {
     if (!active(r.dp)) continue;
     if (r.sharded()) {
-      r.dp->reduce_scatter(flat.f32() + r.begin, r.shard_grad.f32(), (r.end - r.begin) / r.dp->size(), DType::F32,
-                           ReduceOp::Sum);
+      r.dp->reduce_scatter(flat.f32() + r.begin, r.shard_grad.f32(), (r.end - r.begin) / r.dp->size(),
+                           DType::F32, ReduceOp::Sum);
       continue;
     }
     auto reduce = [&](int64_t b, int64_t e) {
@@ -165,7 +166,8 @@ double Optimizer::reduce_and_clip(double clip) {
   if (clip > 0 && norm > clip) {
     if (params_.device() == Device::CPU) {
       for (Region& r : regions_)
-        cpu::scale_inplace(r.grad(params_), static_cast<float>(clip / (norm + 1e-6)), r.own_end - r.own_begin);
+        cpu::scale_inplace(r.grad(params_), static_cast<float>(clip / (norm + 1e-6)),
+                           r.own_end - r.own_begin);
     } else {
       grad_scale_ = static_cast<float>(clip / (norm + 1e-6));  // applied inside the AdamW kernel
     }
@@ -206,11 +208,11 @@ void Optimizer::step_device(double lr) {
   auto flush = [&] {
     if (run_b < 0) return;
     const int64_t s = run_r->state_offset + (run_b - run_r->own_begin);
-    cuda::adamw_update(w + run_b, run_r->grad(params_) + (run_b - run_r->own_begin), m_.f32() + s, v_.f32() + s,
-                       run_e - run_b, static_cast<float>(lr), static_cast<float>(cfg_.beta1),
+    cuda::adamw_update(w + run_b, run_r->grad(params_) + (run_b - run_r->own_begin), m_.f32() + s,
+                       v_.f32() + s, run_e - run_b, static_cast<float>(lr), static_cast<float>(cfg_.beta1),
                        static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.adam_eps),
-                       run_decay ? static_cast<float>(cfg_.weight_decay) : 0.f, step_, wc ? wc + run_b : nullptr,
-                       grad_scale_, cuda::stream());
+                       run_decay ? static_cast<float>(cfg_.weight_decay) : 0.f, step_,
+                       wc ? wc + run_b : nullptr, grad_scale_, cuda::stream());
     run_b = -1;
   };
   for_owned([&](Param& p, Region& r, int64_t b, int64_t e) {

@@ -22,7 +22,7 @@
 namespace ndt {
 
 struct OptimizerComms {
-  Communicator* dp = nullptr;          // ranks holding replicas of the same parameters (DP x CP)
+  Communicator* dp = nullptr;  // ranks holding replicas of the same parameters (DP x CP)
   // Expert params (the store's expert region, ParamStore::expert_begin()): their replicas (the
   // expert-data-parallel group; null = dp) and the EP group whose ranks hold the other experts.
   Communicator* expert_dp = nullptr;
@@ -64,7 +64,7 @@ class Optimizer {
     int64_t state_offset = 0;            // where that part's moments start in m_ / v_
     Tensor shard_grad;                   // ZeRO-1: reduced gradient of the owned part
     bool sharded() const;
-    float* grad(ParamStore& ps) const;   // reduced gradient of the owned part
+    float* grad(ParamStore& ps) const;  // reduced gradient of the owned part
   };
   // Calls fn(param, region, b, e) for every parameter piece [b, e) (flat indices) this rank owns.
   template <typename F>

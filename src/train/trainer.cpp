@@ -29,7 +29,8 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
             cfg_.model.vocab_size);
   if (!c_.expert_dp) c_.expert_dp = c_.grad;
   NDT_CHECK(c_.ep_hooks == nullptr || cfg_.parallel.ep == c_.ep_hooks->size(),
-            "EP hooks span {} ranks, parallel.ep is {}", c_.ep_hooks ? c_.ep_hooks->size() : 1, cfg_.parallel.ep);
+            "EP hooks span {} ranks, parallel.ep is {}", c_.ep_hooks ? c_.ep_hooks->size() : 1,
+            cfg_.parallel.ep);
   engine_ = std::make_unique<PipelineEngine>(cfg_, *c_.pp, c_.tp_hooks, c_.cp, c_.ep_hooks);
   pack_count_multiple_ =
       cfg_.parallel.virtual_stages > 1 ? c_.pp->size() : 1;  // interleaved needs m % p == 0
@@ -94,7 +95,8 @@ std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
     // microbatches (the largest any of them needs).
     int64_t m = static_cast<int64_t>(bins.size());
     c_.dp->all_reduce(&m, 1, DType::I64, ReduceOp::Max);
-    if (m != static_cast<int64_t>(bins.size())) bins = pack_into_microbatches(lengths, budget, pack_count_multiple_, m);
+    if (m != static_cast<int64_t>(bins.size()))
+      bins = pack_into_microbatches(lengths, budget, pack_count_multiple_, m);
   }
   for (const auto& bin : bins) {
     std::vector<Sample> group;
@@ -145,7 +147,8 @@ StepStats Trainer::train_step(int64_t step) {
   st.grad_norm = opt_->reduce_and_clip(cfg_.train.grad_clip);
   st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);
   opt_->step(st.lr);
-  if (!engine_->moe_layers().empty()) st.moe = finish_moe_step(cfg_, engine_->moe_layers(), *c_.grad, *c_.tp, *c_.pp);
+  if (!engine_->moe_layers().empty())
+    st.moe = finish_moe_step(cfg_, engine_->moe_layers(), *c_.grad, *c_.tp, *c_.pp);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 #ifdef NDT_HAVE_CUDA
   if (engine_->params().device() == Device::CUDA) {
@@ -176,15 +179,14 @@ EvalStats Trainer::evaluate() {
     ArgmaxFn fn = [this](const Microbatch& mb, const std::vector<int64_t>& rows) {
       return engine_->argmax(mb, rows);
     };
-    ev.exact_match = exact_match(fn, tok_, problems, cfg_.data.addition_digits + 2, *c_.dp, layout,
-                                 lockstep());
+    ev.exact_match =
+        exact_match(fn, tok_, problems, cfg_.data.addition_digits + 2, *c_.dp, layout, lockstep());
   }
   if (val_) {
-    ev.val_loss =
-        validation_loss([this](const Microbatch& mb) { return engine_->loss_sum(mb); }, *val_,
-                        cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
-                        std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp, layout,
-                        lockstep());
+    ev.val_loss = validation_loss([this](const Microbatch& mb) { return engine_->loss_sum(mb); }, *val_,
+                                  cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
+                                  std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp,
+                                  layout, lockstep());
   }
   evals_.push_back(ev);
   return ev;

@@ -102,13 +102,13 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
     std::ofstream(std::filesystem::path(tc.out_dir) / "config.yaml") << config_to_yaml(cfg_);
     metrics =
         std::make_unique<MetricsWriter>(MetricsWriter::open(tc.out_dir, /*append=*/start_step_ > 0).value());
-    std::printf(
-        "ndtrain: %s model, %lld parameters, task %s, %d rank(s) [%s%s%s]\n", cfg_.model.style.c_str(),
-        static_cast<long long>(n_params), cfg_.data.task.c_str(), c_.world->size(),
-        fmt::format("tp={} cp={} ep={} dp={} pp={}", cfg_.parallel.tp, cfg_.parallel.cp, cfg_.parallel.ep,
-                    cfg_.parallel.dp, cfg_.parallel.pp)
-            .c_str(),
-        cfg_.parallel.sequence_parallel ? " sp" : "", cfg_.parallel.zero1 ? " zero1" : "");
+    std::printf("ndtrain: %s model, %lld parameters, task %s, %d rank(s) [%s%s%s]\n",
+                cfg_.model.style.c_str(), static_cast<long long>(n_params), cfg_.data.task.c_str(),
+                c_.world->size(),
+                fmt::format("tp={} cp={} ep={} dp={} pp={}", cfg_.parallel.tp, cfg_.parallel.cp,
+                            cfg_.parallel.ep, cfg_.parallel.dp, cfg_.parallel.pp)
+                    .c_str(),
+                cfg_.parallel.sequence_parallel ? " sp" : "", cfg_.parallel.zero1 ? " zero1" : "");
     std::fflush(stdout);
   }
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
@@ -214,9 +214,9 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
                    fmt::format("{} on {} ({} steps)", cfg_.model.style, cfg_.data.task, step))
         .throw_if_error();
     if (!load_layers.empty())
-      write_expert_load_svg(load_steps, load_layers, loads, (dir / "expert_load.svg").string(),
-                            fmt::format("expert load, {} experts top-{}", cfg_.model.moe.num_experts,
-                                        cfg_.model.moe.top_k))
+      write_expert_load_svg(
+          load_steps, load_layers, loads, (dir / "expert_load.svg").string(),
+          fmt::format("expert load, {} experts top-{}", cfg_.model.moe.num_experts, cfg_.model.moe.top_k))
           .throw_if_error();
     std::printf("wrote %s/{model.safetensors, metrics.jsonl, loss.svg, config.yaml%s}\n", tc.out_dir.c_str(),
                 load_layers.empty() ? "" : ", expert_load.svg");

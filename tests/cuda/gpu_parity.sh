@@ -17,6 +17,7 @@ fi
 base=(model.d_model=256 model.n_heads=4 model.max_seq_len=64 data.seq_len=64 train.device=cuda
       train.precision=fp32 train.adam_eps=1e-6)
 packed=(data.packing=true data.min_seq_len=3)
+moe=(model.moe.num_experts=4)
 #   name                 ranks  overrides
 rows=(
   "dp2                   2      parallel.dp=2"
@@ -37,6 +38,14 @@ rows=(
   "pp2_cp2_packed        4      parallel.pp=2 parallel.cp=2 train.micro_batch=2 ${packed[*]}"
   "pp4_v2_packed         4      parallel.pp=4 parallel.virtual_stages=2 parallel.schedule=interleaved model.n_layers=8 train.micro_batch=2 ${packed[*]}"
   "pp2_tp2_cp2_packed    8      parallel.pp=2 parallel.tp=2 parallel.cp=2 train.micro_batch=2 ${packed[*]}"
+  # Mixture-of-Experts with expert parallelism (EP folds onto DP x CP).
+  "moe_ep2               2      ${moe[*]} parallel.dp=2 parallel.ep=2"
+  "moe_cp2_ep2_packed    2      ${moe[*]} parallel.cp=2 parallel.ep=2 ${packed[*]}"
+  "moe_ep2_zero1_shared  2      ${moe[*]} parallel.dp=2 parallel.ep=2 parallel.zero1=true model.moe.shared_experts=1"
+  "moe_ep2_sigmoid_top1  2      ${moe[*]} parallel.dp=2 parallel.ep=2 model.moe.router=sigmoid model.moe.top_k=1"
+  "moe_ep2_tp2_sp        4      ${moe[*]} parallel.dp=2 parallel.ep=2 parallel.tp=2 parallel.sequence_parallel=true"
+  "moe_pp2_ep2           4      ${moe[*]} parallel.pp=2 parallel.dp=2 parallel.ep=2 train.micro_batch=2"
+  "moe_pp2_cp2_ep2_packed 8     ${moe[*]} parallel.pp=2 parallel.cp=2 parallel.dp=2 parallel.ep=2 train.micro_batch=2 ${packed[*]}"
 )
 pass=0 fail=0 skipped=()
 for style in llama gpt2; do

@@ -20,7 +20,8 @@ std::vector<int64_t> times(std::vector<int64_t> v, int64_t f) {
 std::vector<int64_t> expert_major_order(const EpPlan& p, int64_t ep, int64_t El) {
   std::vector<int64_t> src_off(static_cast<size_t>(ep * El), 0);
   for (int64_t i = 1; i < ep * El; ++i)
-    src_off[static_cast<size_t>(i)] = src_off[static_cast<size_t>(i - 1)] + p.recv_counts[static_cast<size_t>(i - 1)];
+    src_off[static_cast<size_t>(i)] =
+        src_off[static_cast<size_t>(i - 1)] + p.recv_counts[static_cast<size_t>(i - 1)];
   std::vector<int64_t> order;
   for (int64_t e = 0; e < El; ++e)
     for (int64_t r = 0; r < ep; ++r) {
@@ -70,7 +71,8 @@ Tensor CommEpHooks::combine(const Tensor& y, const EpPlan& p) {
   if (ep > 1 && y.size(0) > 0) {
     const std::vector<int64_t> order = expert_major_order(p, ep, El);
     std::vector<int64_t> inverse(order.size());
-    for (size_t i = 0; i < order.size(); ++i) inverse[static_cast<size_t>(order[i])] = static_cast<int64_t>(i);
+    for (size_t i = 0; i < order.size(); ++i)
+      inverse[static_cast<size_t>(order[i])] = static_cast<int64_t>(i);
     src_major = ops::gather_rows(y, inverse);
   }
   int64_t n = 0;
