@@ -3,15 +3,23 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <random>
 #include <set>
 #include <sstream>
+#include <tuple>
 
+#include "data/packing.h"
 #include "dist/communicator.h"
 #include "model/transformer.h"
 #include "tiny_model.h"
@@ -601,6 +609,440 @@ TEST(CheckpointHf, RejectsGpt2AndBadInput) {
   EXPECT_NE(r.status().message().find("model.safetensors"), std::string::npos) << r.status().message();
   EXPECT_NE(r.status().message().find("model.layers.0.input_layernorm.weight"), std::string::npos)
       << r.status().message();
+}
+
+// --- Mixture-of-Experts as MixtralForCausalLM -------------------------------------------------------------
+
+ModelConfig tiny_moe(int tied = 0) {
+  ModelConfig cfg;
+  cfg.style = "llama";
+  cfg.vocab_size = 264;
+  cfg.d_model = 64;
+  cfg.n_layers = 2;
+  cfg.n_heads = 4;
+  cfg.n_kv_heads = 2;
+  cfg.max_seq_len = 32;
+  cfg.rope_theta = 500000.0;
+  cfg.norm_eps = 1e-6;
+  cfg.init_std = 0.2;  // routing, experts and attention all move the logits well above fp32 noise
+  cfg.tie_embeddings = tied;
+  cfg.moe.num_experts = 4;
+  cfg.moe.top_k = 2;
+  cfg.moe.d_ff_expert = 32;
+  cfg.moe.aux_loss_coef = 0.02;
+  return cfg;
+}
+
+// A safetensors header parsed without our reader: name -> (dtype, shape, data_offsets), and its length.
+nlohmann::json raw_safetensors_header(const std::string& bytes, uint64_t& hlen) {
+  hlen = 0;
+  for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | static_cast<uint8_t>(bytes[static_cast<size_t>(i)]);
+  return nlohmann::json::parse(bytes.substr(8, hlen));
+}
+
+TEST(CheckpointHfMixtral, ExportImportBitExactAndIndependentHeaderParse) {
+  for (int tied : {0, 1}) {
+    TempDir tmp("hfmx" + std::to_string(tied));
+    const ModelConfig cfg = tiny_moe(tied);
+    auto m = make_model(cfg, 13);
+    auto params = full_params_of(*m);
+    const std::string out = tmp.str("hf");
+    Status st = export_hf(out, cfg, params);
+    ASSERT_TRUE(st) << st.message();
+
+    nlohmann::json c = read_json(out + "/config.json");
+    EXPECT_EQ(c["architectures"], nlohmann::json::array({"MixtralForCausalLM"}));
+    EXPECT_EQ(c["model_type"], "mixtral");
+    EXPECT_EQ(c["hidden_size"], 64);
+    EXPECT_EQ(c["intermediate_size"], 32);
+    EXPECT_EQ(c["num_hidden_layers"], 2);
+    EXPECT_EQ(c["num_attention_heads"], 4);
+    EXPECT_EQ(c["num_key_value_heads"], 2);
+    EXPECT_EQ(c["head_dim"], 16);
+    EXPECT_EQ(c["vocab_size"], 264);
+    EXPECT_EQ(c["max_position_embeddings"], 32);
+    EXPECT_EQ(c["rms_norm_eps"].get<double>(), 1e-6);
+    EXPECT_EQ(c["rope_theta"].get<double>(), 500000.0);
+    EXPECT_EQ(c["tie_word_embeddings"], tied == 1);
+    EXPECT_EQ(c["torch_dtype"], "float32");
+    EXPECT_EQ(c["hidden_act"], "silu");
+    EXPECT_EQ(c["num_local_experts"], 4);
+    EXPECT_EQ(c["num_experts_per_tok"], 2);
+    EXPECT_EQ(c["router_aux_loss_coef"].get<double>(), 0.02);
+    EXPECT_EQ(c["output_router_logits"], false);
+    ASSERT_TRUE(c.contains("sliding_window"));
+    EXPECT_TRUE(c["sliding_window"].is_null());
+
+    // model.safetensors: exactly the Mixtral tensor names and shapes, data laid end to end.
+    const std::string bytes = read_file(out + "/model.safetensors");
+    ASSERT_GE(bytes.size(), 8u);
+    uint64_t hlen = 0;
+    nlohmann::json h = raw_safetensors_header(bytes, hlen);
+    ASSERT_LE(8 + hlen, bytes.size());
+    std::map<std::string, Shape> got_shapes;
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    for (auto it = h.begin(); it != h.end(); ++it) {
+      if (it.key() == "__metadata__") {
+        EXPECT_EQ(it.value()["format"], "pt");
+        continue;
+      }
+      EXPECT_EQ(it.value()["dtype"], "F32") << it.key();
+      got_shapes[it.key()] = it.value()["shape"].get<Shape>();
+      const uint64_t b = it.value()["data_offsets"][0], e = it.value()["data_offsets"][1];
+      EXPECT_EQ(e - b, static_cast<uint64_t>(shape_numel(got_shapes[it.key()])) * 4) << it.key();
+      ranges.emplace_back(b, e);
+    }
+    std::sort(ranges.begin(), ranges.end());
+    uint64_t pos = 0;
+    for (auto [b, e] : ranges) {
+      EXPECT_EQ(b, pos);
+      pos = e;
+    }
+    EXPECT_EQ(pos, bytes.size() - 8 - hlen);
+    std::map<std::string, Shape> want = {{"model.embed_tokens.weight", {264, 64}},
+                                         {"model.norm.weight", {64}}};
+    if (!tied) want["lm_head.weight"] = {264, 64};
+    for (int l = 0; l < 2; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      want[p + "input_layernorm.weight"] = {64};
+      want[p + "post_attention_layernorm.weight"] = {64};
+      want[p + "self_attn.q_proj.weight"] = {64, 64};
+      want[p + "self_attn.k_proj.weight"] = {32, 64};
+      want[p + "self_attn.v_proj.weight"] = {32, 64};
+      want[p + "self_attn.o_proj.weight"] = {64, 64};
+      want[p + "block_sparse_moe.gate.weight"] = {4, 64};
+      for (int e = 0; e < 4; ++e) {
+        const std::string x = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
+        want[x + "w1.weight"] = {32, 64};
+        want[x + "w3.weight"] = {32, 64};
+        want[x + "w2.weight"] = {64, 32};
+      }
+    }
+    EXPECT_EQ(got_shapes, want);
+    // Raw bytes of expert slices are ours: experts.2.w2 of layer 1 = slice 2 of the stacked (E, C, F) w2,
+    // experts.3.w1 of layer 0 = slice 3 of (E, F, C) w1.
+    const std::vector<std::tuple<std::string, std::string, int64_t>> slices = {
+        {"model.layers.1.block_sparse_moe.experts.2.w2.weight", "layers.1.mlp.experts.w2.weight", 2},
+        {"model.layers.0.block_sparse_moe.experts.3.w1.weight", "layers.0.mlp.experts.w1.weight", 3},
+        {"model.layers.0.block_sparse_moe.gate.weight", "layers.0.mlp.router.weight", 0}};
+    for (const auto& [hf, ours, e] : slices) {
+      const Tensor& w = m->params().get(ours).value;
+      const uint64_t b = h[hf]["data_offsets"][0];
+      const size_t n = static_cast<size_t>(shape_numel(h[hf]["shape"].get<Shape>())) * 4;
+      EXPECT_EQ(std::memcmp(bytes.data() + 8 + hlen + b, static_cast<const char*>(w.data_ptr()) + e * n, n),
+                0)
+          << hf;
+    }
+    EXPECT_EQ(hf_name_for("layers.1.mlp.router.weight"), "model.layers.1.block_sparse_moe.gate.weight");
+    EXPECT_EQ(hf_name_for("layers.0.mlp.experts.w3.weight"),
+              "model.layers.0.block_sparse_moe.experts.{e}.w3.weight");
+
+    auto imp = import_hf(out);
+    ASSERT_TRUE(imp) << imp.status().message();
+    const ModelConfig& ic = imp.value().first;
+    EXPECT_EQ(ic.style, "llama");
+    EXPECT_EQ(ic.d_model, cfg.d_model);
+    EXPECT_EQ(ic.n_layers, cfg.n_layers);
+    EXPECT_EQ(ic.n_heads, cfg.n_heads);
+    EXPECT_EQ(ic.kv_heads(), cfg.kv_heads());
+    EXPECT_EQ(ic.vocab_size, cfg.vocab_size);
+    EXPECT_EQ(ic.max_seq_len, cfg.max_seq_len);
+    EXPECT_EQ(ic.norm_eps, cfg.norm_eps);
+    EXPECT_EQ(ic.rope_theta, cfg.rope_theta);
+    EXPECT_EQ(ic.tied(), cfg.tied());
+    EXPECT_TRUE(ic.moe.enabled());
+    EXPECT_EQ(ic.moe.num_experts, 4);
+    EXPECT_EQ(ic.moe.top_k, 2);
+    EXPECT_EQ(ic.expert_ffn_dim(), 32);
+    EXPECT_EQ(ic.moe.router, "softmax");
+    EXPECT_TRUE(ic.moe.renormalize);
+    EXPECT_EQ(ic.moe.shared_experts, 0);
+    EXPECT_EQ(ic.moe.capacity_factor, 0);
+    EXPECT_EQ(ic.moe.aux_loss_coef, 0.02);
+    for (int64_t l = 0; l < ic.n_layers; ++l) EXPECT_TRUE(ic.is_moe_layer(l)) << l;
+    const auto& got = imp.value().second;
+    ASSERT_EQ(got.size(), params.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].first, params[i].first);
+      EXPECT_EQ(got[i].second.shape(), params[i].second.shape()) << got[i].first;
+      EXPECT_TRUE(bit_equal(got[i].second, params[i].second)) << got[i].first;
+      EXPECT_FALSE(hf_name_for(params[i].first).empty()) << params[i].first;
+    }
+    // The imported config builds a model whose parameters are exactly the imported ones, in order.
+    Transformer rebuilt(ic, StageSpec{}, nullptr);
+    ASSERT_EQ(rebuilt.params().all().size(), got.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(rebuilt.params().all()[i]->name, got[i].first);
+      EXPECT_EQ(rebuilt.params().all()[i]->global_shape, got[i].second.shape()) << got[i].first;
+    }
+  }
+}
+
+TEST(CheckpointHfMixtral, ExportRefusesWhatMixtralCannotExpress) {
+  TempDir tmp("hfmxbad");
+  const std::vector<std::pair<std::string, std::function<void(MoeConfig&)>>> cases = {
+      {"model.moe.router", [](MoeConfig& m) { m.router = "sigmoid"; }},
+      {"model.moe.shared_experts", [](MoeConfig& m) { m.shared_experts = 1; }},
+      {"model.moe.renormalize", [](MoeConfig& m) { m.renormalize = false; }},
+      {"model.moe.first_dense", [](MoeConfig& m) { m.first_dense = 1; }},
+      {"model.moe.every", [](MoeConfig& m) { m.every = 2; }},
+      {"model.moe.capacity_factor", [](MoeConfig& m) { m.capacity_factor = 1.25; }},
+  };
+  int i = 0;
+  for (const auto& [key, mutate] : cases) {
+    ModelConfig cfg = tiny_moe();
+    mutate(cfg.moe);
+    auto m = make_model(cfg, 1);
+    const std::string out = tmp.str("x" + std::to_string(i++));
+    Status st = export_hf(out, cfg, full_params_of(*m));
+    ASSERT_FALSE(st) << key;
+    EXPECT_NE(st.message().find(key), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find("Mixtral"), std::string::npos) << st.message();
+    EXPECT_FALSE(fs::exists(out)) << key;  // refused before writing anything
+  }
+}
+
+TEST(CheckpointHfMixtral, ImportConfigVariantsAndErrors) {
+  TempDir tmp("hfmximp");
+  const ModelConfig cfg = tiny_moe();
+  auto m = make_model(cfg, 2);
+  auto expect_has = [](const std::string& msg, const std::vector<std::string>& parts) {
+    for (const std::string& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+  };
+  // A missing expert tensor.
+  ASSERT_TRUE(export_hf(tmp.str("a"), cfg, full_params_of(*m)));
+  {
+    auto f = open_safetensors(tmp.str("a/model.safetensors"));
+    ASSERT_TRUE(f) << f.status().message();
+    std::vector<std::pair<std::string, Tensor>> keep;
+    for (const auto& n : f.value().names())
+      if (n != "model.layers.1.block_sparse_moe.experts.3.w2.weight") keep.emplace_back(n, f.value().read(n));
+    ASSERT_TRUE(save_safetensors(tmp.str("a/model.safetensors"), keep, {{"format", "pt"}}));
+  }
+  auto r = import_hf(tmp.str("a"));
+  ASSERT_FALSE(r);
+  expect_has(r.status().message(),
+             {"model.safetensors", "model.layers.1.block_sparse_moe.experts.3.w2.weight", "missing",
+              "layers.1.mlp.experts.w2.weight"});
+
+  // A config key Mixtral needs.
+  ASSERT_TRUE(export_hf(tmp.str("b"), cfg, full_params_of(*m)));
+  nlohmann::json c = read_json(tmp.str("b/config.json"));
+  c.erase("num_local_experts");
+  std::ofstream(tmp.str("b/config.json"), std::ios::trunc) << c.dump();
+  r = import_hf(tmp.str("b"));
+  ASSERT_FALSE(r);
+  expect_has(r.status().message(), {"config.json", "num_local_experts"});
+
+  // transformers >= 5 config: rope_parameters instead of rope_theta; a non-default rope_type is refused.
+  c = read_json(tmp.str("a/config.json"));
+  c.erase("rope_theta");
+  c.erase("rope_scaling");
+  c["rope_parameters"] = {{"rope_theta", 123456.0}, {"rope_type", "default"}};
+  std::ofstream(tmp.str("a/config.json"), std::ios::trunc) << c.dump();
+  ASSERT_TRUE(export_hf(tmp.str("c"), cfg, full_params_of(*m)));
+  fs::copy_file(tmp.str("a/config.json"), tmp.str("c/config.json"), fs::copy_options::overwrite_existing);
+  auto ok = import_hf(tmp.str("c"));
+  ASSERT_TRUE(ok) << ok.status().message();
+  EXPECT_EQ(ok.value().first.rope_theta, 123456.0);
+  c["rope_parameters"]["rope_type"] = "yarn";
+  std::ofstream(tmp.str("c/config.json"), std::ios::trunc) << c.dump();
+  r = import_hf(tmp.str("c"));
+  ASSERT_FALSE(r);
+  expect_has(r.status().message(), {"config.json", "rope_parameters", "yarn"});
+
+  // A sliding window shorter than the context: attention would differ.
+  c = read_json(tmp.str("a/config.json"));
+  c["sliding_window"] = 8;
+  std::ofstream(tmp.str("b/config.json"), std::ios::trunc) << c.dump();
+  r = import_hf(tmp.str("b"));
+  ASSERT_FALSE(r);
+  expect_has(r.status().message(), {"config.json", "sliding_window"});
+}
+
+// Mixtral's forward, written from the HF modeling code's definition and fed only the exported directory
+// (config.json + per-expert tensors): RMSNorm, rotate-half RoPE, GQA causal attention, and the sparse MoE
+// block (softmax over all experts, top-k, gates renormalized, experts w2(silu(w1 x) * w3 x)). Double
+// precision. Returns logits (T, V) of the token ids; `experts_used` collects the chosen (layer, expert)s.
+std::vector<double> mixtral_reference_logits(const std::string& dir, const std::vector<int32_t>& ids,
+                                             std::set<std::pair<int64_t, int64_t>>* experts_used,
+                                             bool swap_gate_up = false) {
+  const nlohmann::json c = read_json(dir + "/config.json");
+  auto opened = open_safetensors(dir + "/model.safetensors");
+  NDT_CHECK(opened.is_ok(), "{}", opened.status().message());
+  const SafetensorsFile& file = opened.value();
+  auto W = [&](const std::string& n) { return file.read(n).to_vector<float>(); };
+  const int64_t C = c["hidden_size"], H = c["num_attention_heads"], KV = c["num_key_value_heads"],
+                L = c["num_hidden_layers"], V = c["vocab_size"], E = c["num_local_experts"],
+                K = c["num_experts_per_tok"], F = c["intermediate_size"];
+  const int64_t D = C / H, T = static_cast<int64_t>(ids.size()), G = H / KV;
+  const double eps = c["rms_norm_eps"], theta = c["rope_theta"];
+  // y (rows, out) = x (rows, in) W^T with W (out, in) row-major.
+  auto linear = [](const std::vector<double>& x, const std::vector<float>& w, int64_t rows, int64_t in,
+                   int64_t out) {
+    std::vector<double> y(static_cast<size_t>(rows * out), 0.0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < out; ++o) {
+        double s = 0;
+        for (int64_t i = 0; i < in; ++i)
+          s += x[static_cast<size_t>(r * in + i)] * w[static_cast<size_t>(o * in + i)];
+        y[static_cast<size_t>(r * out + o)] = s;
+      }
+    return y;
+  };
+  auto rmsnorm = [&](const std::vector<double>& x, const std::vector<float>& w) {
+    std::vector<double> y(x.size());
+    for (int64_t t = 0; t < T; ++t) {
+      double ms = 0;
+      for (int64_t i = 0; i < C; ++i)
+        ms += x[static_cast<size_t>(t * C + i)] * x[static_cast<size_t>(t * C + i)];
+      const double r = 1.0 / std::sqrt(ms / static_cast<double>(C) + eps);
+      for (int64_t i = 0; i < C; ++i)
+        y[static_cast<size_t>(t * C + i)] = x[static_cast<size_t>(t * C + i)] * r * w[static_cast<size_t>(i)];
+    }
+    return y;
+  };
+  // Rotate-half RoPE in place on (T, heads, D): pairs (i, i + D/2), angle = pos * theta^(-2i/D).
+  auto rope = [&](std::vector<double>& x, int64_t heads) {
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t hh = 0; hh < heads; ++hh)
+        for (int64_t i = 0; i < D / 2; ++i) {
+          const double ang = static_cast<double>(t) *
+                             std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+          double& a = x[static_cast<size_t>((t * heads + hh) * D + i)];
+          double& b = x[static_cast<size_t>((t * heads + hh) * D + i + D / 2)];
+          const double a0 = a, b0 = b;
+          a = a0 * std::cos(ang) - b0 * std::sin(ang);
+          b = b0 * std::cos(ang) + a0 * std::sin(ang);
+        }
+  };
+  const std::vector<float> emb = W("model.embed_tokens.weight");
+  std::vector<double> h(static_cast<size_t>(T * C));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < C; ++i)
+      h[static_cast<size_t>(t * C + i)] = emb[static_cast<size_t>(ids[static_cast<size_t>(t)] * C + i)];
+  for (int64_t l = 0; l < L; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    std::vector<double> x = rmsnorm(h, W(p + "input_layernorm.weight"));
+    std::vector<double> q = linear(x, W(p + "self_attn.q_proj.weight"), T, C, H * D);
+    std::vector<double> k = linear(x, W(p + "self_attn.k_proj.weight"), T, C, KV * D);
+    const std::vector<double> v = linear(x, W(p + "self_attn.v_proj.weight"), T, C, KV * D);
+    rope(q, H);
+    rope(k, KV);
+    std::vector<double> att(static_cast<size_t>(T * H * D), 0.0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t hh = 0; hh < H; ++hh) {
+        const int64_t g = hh / G;  // repeat_kv: query head hh reads kv head hh / (H / KV)
+        std::vector<double> s(static_cast<size_t>(t + 1));
+        double mx = -1e300;
+        for (int64_t u = 0; u <= t; ++u) {
+          double d = 0;
+          for (int64_t i = 0; i < D; ++i)
+            d += q[static_cast<size_t>((t * H + hh) * D + i)] * k[static_cast<size_t>((u * KV + g) * D + i)];
+          s[static_cast<size_t>(u)] = d / std::sqrt(static_cast<double>(D));
+          mx = std::max(mx, s[static_cast<size_t>(u)]);
+        }
+        double sum = 0;
+        for (double& e : s) sum += (e = std::exp(e - mx));
+        for (int64_t u = 0; u <= t; ++u)
+          for (int64_t i = 0; i < D; ++i)
+            att[static_cast<size_t>((t * H + hh) * D + i)] +=
+                s[static_cast<size_t>(u)] / sum * v[static_cast<size_t>((u * KV + g) * D + i)];
+      }
+    const std::vector<double> o = linear(att, W(p + "self_attn.o_proj.weight"), T, H * D, C);
+    for (size_t i = 0; i < h.size(); ++i) h[i] += o[i];
+
+    x = rmsnorm(h, W(p + "post_attention_layernorm.weight"));
+    const std::vector<double> router = linear(x, W(p + "block_sparse_moe.gate.weight"), T, C, E);
+    std::vector<std::vector<float>> w1(static_cast<size_t>(E)), w3(static_cast<size_t>(E)),
+        w2(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string x_ = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
+      w1[static_cast<size_t>(e)] = W(x_ + (swap_gate_up ? "w3.weight" : "w1.weight"));
+      w3[static_cast<size_t>(e)] = W(x_ + (swap_gate_up ? "w1.weight" : "w3.weight"));
+      w2[static_cast<size_t>(e)] = W(x_ + "w2.weight");
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      // routing_weights = softmax(router_logits); topk; routing_weights /= sum.
+      std::vector<double> pr(router.begin() + t * E, router.begin() + (t + 1) * E);
+      const double mx = *std::max_element(pr.begin(), pr.end());
+      double sum = 0;
+      for (double& e : pr) sum += (e = std::exp(e - mx));
+      for (double& e : pr) e /= sum;
+      std::vector<int64_t> order(static_cast<size_t>(E));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return pr[static_cast<size_t>(a)] > pr[static_cast<size_t>(b)];
+      });
+      double ksum = 0;
+      for (int64_t j = 0; j < K; ++j) ksum += pr[static_cast<size_t>(order[static_cast<size_t>(j)])];
+      const std::vector<double> xt(x.begin() + t * C, x.begin() + (t + 1) * C);
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t e = order[static_cast<size_t>(j)];
+        if (experts_used) experts_used->insert({l, e});
+        const double gate = pr[static_cast<size_t>(e)] / ksum;
+        const std::vector<double> a = linear(xt, w1[static_cast<size_t>(e)], 1, C, F);
+        const std::vector<double> b = linear(xt, w3[static_cast<size_t>(e)], 1, C, F);
+        std::vector<double> act(static_cast<size_t>(F));
+        for (int64_t i = 0; i < F; ++i)
+          act[static_cast<size_t>(i)] = a[static_cast<size_t>(i)] /
+                                        (1.0 + std::exp(-a[static_cast<size_t>(i)])) *
+                                        b[static_cast<size_t>(i)];
+        const std::vector<double> y = linear(act, w2[static_cast<size_t>(e)], 1, F, C);
+        for (int64_t i = 0; i < C; ++i) h[static_cast<size_t>(t * C + i)] += gate * y[static_cast<size_t>(i)];
+      }
+    }
+  }
+  const std::vector<double> x = rmsnorm(h, W("model.norm.weight"));
+  return linear(x, c["tie_word_embeddings"].get<bool>() ? emb : W("lm_head.weight"), T, C, V);
+}
+
+TEST(CheckpointHfMixtral, LogitsMatchIndependentMixtralForward) {
+  for (int tied : {0, 1}) {
+    TempDir tmp("hfmxlog" + std::to_string(tied));
+    const ModelConfig cfg = tiny_moe(tied);
+    auto m = make_model(cfg, 21 + tied);
+    const std::string out = tmp.str("hf");
+    ASSERT_TRUE(export_hf(out, cfg, full_params_of(*m)));
+
+    // One sequence of 12 inputs (+1 target), through our Transformer.
+    std::mt19937 rng(5);
+    Sample s;
+    for (int i = 0; i < 13; ++i) {
+      s.tokens.push_back(static_cast<int32_t>(rng() % 264));
+      s.loss_mask.push_back(i > 0);
+    }
+    const std::vector<int32_t> ids(s.tokens.begin(), s.tokens.end() - 1);
+    const Microbatch mb = pack_samples({s}, 0);
+    ASSERT_EQ(mb.num_tokens(), 12);
+    Activations acts;
+    m->forward(mb, Tensor(), acts);
+    const std::vector<float> ours = acts.logits.to_vector<float>();
+    ASSERT_EQ(ours.size(), 12u * 264u);
+
+    std::set<std::pair<int64_t, int64_t>> used;
+    const std::vector<double> ref = mixtral_reference_logits(out, ids, &used);
+    ASSERT_EQ(ref.size(), ours.size());
+    double max_diff = 0, max_abs = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      max_diff = std::max(max_diff, std::abs(ref[i] - static_cast<double>(ours[i])));
+      max_abs = std::max(max_abs, std::abs(ref[i]));
+    }
+    EXPECT_LE(max_diff, 1e-4) << "tied " << tied;
+    // The check has teeth: logits are O(1), most experts are used, and swapping the gate (w1) and up (w3)
+    // projections of the experts moves the logits far beyond the tolerance.
+    EXPECT_GT(max_abs, 0.5);
+    EXPECT_GE(used.size(), 6u);
+    const std::vector<double> swapped = mixtral_reference_logits(out, ids, nullptr, /*swap_gate_up=*/true);
+    double swap_diff = 0;
+    for (size_t i = 0; i < ref.size(); ++i) swap_diff = std::max(swap_diff, std::abs(ref[i] - swapped[i]));
+    EXPECT_GT(swap_diff, 1e-2);
+    std::printf(
+        "[mixtral logits] tied %d: max |ours - reference| %.3g, max |logit| %.3g, experts used %zu/8, "
+        "w1<->w3 swapped moves %.3g\n",
+        tied, max_diff, max_abs, used.size(), swap_diff);
+  }
 }
 
 }  // namespace

@@ -17,42 +17,115 @@ namespace fs = std::filesystem;
 namespace ndt {
 namespace {
 
+// One of our tensors and its Hugging Face counterpart(s). hf.size() == 1: the same tensor under another
+// name. hf.size() > 1 (Mixtral experts): ours is stacked along dim 0 and hf[e] is its slice e.
 struct Expected {
-  std::string ours, hf;
-  Shape shape;
+  std::string ours;
+  std::vector<std::string> hf;
+  Shape shape;  // ours (full)
 };
 
-// Every parameter of a full llama model, in our registration order.
+// Every parameter of a full llama model (dense or MoE: routed experts only), in our registration order
+// (model/transformer.cpp, model/moe.cpp).
 std::vector<Expected> expected_params(const ModelConfig& cfg) {
   const int64_t C = cfg.d_model, D = cfg.head_dim(), H = cfg.n_heads, KV = cfg.kv_heads(), F = cfg.ffn_dim(),
-                V = cfg.vocab_size;
+                V = cfg.vocab_size, E = cfg.moe.num_experts, Fe = cfg.expert_ffn_dim();
   std::vector<Expected> out;
-  out.push_back({"embed.tokens.weight", "model.embed_tokens.weight", {V, C}});
+  auto one = [&](std::string ours, std::string hf, Shape shape) {
+    out.push_back({std::move(ours), {std::move(hf)}, std::move(shape)});
+  };
+  one("embed.tokens.weight", "model.embed_tokens.weight", {V, C});
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
     const std::string o = fmt::format("layers.{}.", l), h = fmt::format("model.layers.{}.", l);
-    out.push_back({o + "attn_norm.weight", h + "input_layernorm.weight", {C}});
-    out.push_back({o + "attn.wq.weight", h + "self_attn.q_proj.weight", {H * D, C}});
-    out.push_back({o + "attn.wk.weight", h + "self_attn.k_proj.weight", {KV * D, C}});
-    out.push_back({o + "attn.wv.weight", h + "self_attn.v_proj.weight", {KV * D, C}});
-    out.push_back({o + "attn.wo.weight", h + "self_attn.o_proj.weight", {C, H * D}});
-    out.push_back({o + "mlp_norm.weight", h + "post_attention_layernorm.weight", {C}});
-    out.push_back({o + "mlp.w1.weight", h + "mlp.gate_proj.weight", {F, C}});
-    out.push_back({o + "mlp.w3.weight", h + "mlp.up_proj.weight", {F, C}});
-    out.push_back({o + "mlp.w2.weight", h + "mlp.down_proj.weight", {C, F}});
+    one(o + "attn_norm.weight", h + "input_layernorm.weight", {C});
+    one(o + "attn.wq.weight", h + "self_attn.q_proj.weight", {H * D, C});
+    one(o + "attn.wk.weight", h + "self_attn.k_proj.weight", {KV * D, C});
+    one(o + "attn.wv.weight", h + "self_attn.v_proj.weight", {KV * D, C});
+    one(o + "attn.wo.weight", h + "self_attn.o_proj.weight", {C, H * D});
+    one(o + "mlp_norm.weight", h + "post_attention_layernorm.weight", {C});
+    if (!cfg.is_moe_layer(l)) {
+      one(o + "mlp.w1.weight", h + "mlp.gate_proj.weight", {F, C});
+      one(o + "mlp.w3.weight", h + "mlp.up_proj.weight", {F, C});
+      one(o + "mlp.w2.weight", h + "mlp.down_proj.weight", {C, F});
+      continue;
+    }
+    one(o + "mlp.router.weight", h + "block_sparse_moe.gate.weight", {E, C});
+    auto stacked = [&](const char* w, Shape shape) {
+      Expected e{fmt::format("{}mlp.experts.{}.weight", o, w), {}, std::move(shape)};
+      for (int64_t x = 0; x < E; ++x)
+        e.hf.push_back(fmt::format("{}block_sparse_moe.experts.{}.{}.weight", h, x, w));
+      out.push_back(std::move(e));
+    };
+    stacked("w1", {E, Fe, C});
+    stacked("w3", {E, Fe, C});
+    stacked("w2", {E, C, Fe});
   }
-  out.push_back({"final_norm.weight", "model.norm.weight", {C}});
-  if (!cfg.tied()) out.push_back({"lm_head.weight", "lm_head.weight", {V, C}});
+  one("final_norm.weight", "model.norm.weight", {C});
+  if (!cfg.tied()) one("lm_head.weight", "lm_head.weight", {V, C});
   return out;
 }
 
+// Shape of one slice along dim 0.
+Shape slice_shape(const Shape& s) { return Shape(s.begin() + 1, s.end()); }
+
 const std::map<std::string, std::string>& layer_map() {
   static const std::map<std::string, std::string> m = {
-      {"attn_norm.weight", "input_layernorm.weight"}, {"attn.wq.weight", "self_attn.q_proj.weight"},
-      {"attn.wk.weight", "self_attn.k_proj.weight"},  {"attn.wv.weight", "self_attn.v_proj.weight"},
-      {"attn.wo.weight", "self_attn.o_proj.weight"},  {"mlp_norm.weight", "post_attention_layernorm.weight"},
-      {"mlp.w1.weight", "mlp.gate_proj.weight"},      {"mlp.w3.weight", "mlp.up_proj.weight"},
-      {"mlp.w2.weight", "mlp.down_proj.weight"}};
+      {"attn_norm.weight", "input_layernorm.weight"},
+      {"attn.wq.weight", "self_attn.q_proj.weight"},
+      {"attn.wk.weight", "self_attn.k_proj.weight"},
+      {"attn.wv.weight", "self_attn.v_proj.weight"},
+      {"attn.wo.weight", "self_attn.o_proj.weight"},
+      {"mlp_norm.weight", "post_attention_layernorm.weight"},
+      {"mlp.w1.weight", "mlp.gate_proj.weight"},
+      {"mlp.w3.weight", "mlp.up_proj.weight"},
+      {"mlp.w2.weight", "mlp.down_proj.weight"},
+      {"mlp.router.weight", "block_sparse_moe.gate.weight"},
+      {"mlp.experts.w1.weight", "block_sparse_moe.experts.{e}.w1.weight"},
+      {"mlp.experts.w3.weight", "block_sparse_moe.experts.{e}.w3.weight"},
+      {"mlp.experts.w2.weight", "block_sparse_moe.experts.{e}.w2.weight"}};
   return m;
+}
+
+// Export restrictions of an MoE model: exactly what MixtralForCausalLM computes. "" when exportable.
+std::string mixtral_export_problem(const ModelConfig& cfg) {
+  const MoeConfig& m = cfg.moe;
+  if (m.router != "softmax")
+    return fmt::format("model.moe.router is '{}', Mixtral's router is softmax", m.router);
+  if (!m.renormalize)
+    return "model.moe.renormalize is false, Mixtral renormalizes the top-k gate weights (needs true)";
+  if (m.shared_experts != 0)
+    return fmt::format("model.moe.shared_experts is {}, Mixtral has no shared experts (needs 0)",
+                       m.shared_experts);
+  if (m.first_dense != 0)
+    return fmt::format("model.moe.first_dense is {}, every Mixtral layer is MoE (needs 0)", m.first_dense);
+  if (m.every != 1)
+    return fmt::format("model.moe.every is {}, every Mixtral layer is MoE (needs 1)", m.every);
+  if (m.capacity_factor != 0)
+    return fmt::format("model.moe.capacity_factor is {}, Mixtral is dropless (needs 0)", m.capacity_factor);
+  if (m.top_k < 1 || m.top_k > m.num_experts)
+    return fmt::format("model.moe.top_k {} must be in [1, model.moe.num_experts = {}]", m.top_k,
+                       m.num_experts);
+  return "";
+}
+
+// Reads HF tensor `name` (F32, or BF16 widened exactly) into dst, an F32 CPU tensor (or view) of the same
+// shape. Throws Error naming the file and the tensor.
+void read_as_f32(const SafetensorsFile& file, const std::string& name, Tensor& dst) {
+  const SafetensorInfo& info = file.info(name);
+  if (info.dtype == DType::F32) {
+    file.read_into(name, dst).throw_if_error();
+  } else if (info.dtype == DType::BF16) {
+    Tensor raw = file.read(name);
+    const uint16_t* src = raw.data<uint16_t>();
+    float* out = dst.f32();
+    for (int64_t i = 0; i < dst.numel(); ++i) {
+      uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+      std::memcpy(&out[i], &bits, 4);
+    }
+  } else {
+    throw Error(fmt::format("'{}': tensor {} has dtype {} (only F32 and BF16 are supported)", file.path(),
+                            name, safetensors_dtype_name(info.dtype)));
+  }
 }
 
 }  // namespace
@@ -80,6 +153,13 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
   if (cfg.n_heads <= 0 || cfg.d_model % cfg.n_heads != 0)
     return Status::error(
         fmt::format("export_hf: d_model {} is not a multiple of n_heads {}", cfg.d_model, cfg.n_heads));
+  const bool moe = cfg.moe.enabled();
+  if (moe) {
+    const std::string problem = mixtral_export_problem(cfg);
+    if (!problem.empty())
+      return Status::error("export_hf: an MoE model exports as MixtralForCausalLM only: " + problem);
+  }
+  const char* arch = moe ? "Mixtral" : "Llama";
   std::map<std::string, Tensor> given;
   for (const auto& [name, t] : full_params) {
     if (!given.emplace(name, t).second)
@@ -95,21 +175,30 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
     if (t.shape() != e.shape)
       return Status::error(fmt::format("export_hf: parameter {} has shape {}, the config implies {}", e.ours,
                                        shape_str(t.shape()), shape_str(e.shape)));
-    out.emplace_back(e.hf, t);
+    if (e.hf.size() == 1) {
+      out.emplace_back(e.hf[0], t);
+    } else {
+      // Stacked experts: one HF tensor per expert, views of our (E, ...) tensor (no copy).
+      const Shape piece = slice_shape(e.shape);
+      const int64_t n = shape_numel(piece);
+      for (size_t x = 0; x < e.hf.size(); ++x)
+        out.emplace_back(e.hf[x], t.view_at(static_cast<int64_t>(x) * n, piece));
+    }
     given.erase(it);
   }
   if (!given.empty())
     return Status::error(
-        fmt::format("export_hf: parameter {} has no Hugging Face Llama counterpart{}", given.begin()->first,
-                    given.begin()->first == "lm_head.weight" ? " (the config says tied)" : ""));
+        fmt::format("export_hf: parameter {} has no Hugging Face {} counterpart{}", given.begin()->first,
+                    arch, given.begin()->first == "lm_head.weight" ? " (the config says tied)" : ""));
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (ec) return Status::error(fmt::format("export_hf: cannot create '{}': {}", out_dir, ec.message()));
   nlohmann::ordered_json c;
-  c["architectures"] = {"LlamaForCausalLM"};
-  c["model_type"] = "llama";
+  c["architectures"] = {moe ? "MixtralForCausalLM" : "LlamaForCausalLM"};
+  c["model_type"] = moe ? "mixtral" : "llama";
   c["hidden_size"] = cfg.d_model;
-  c["intermediate_size"] = cfg.ffn_dim();
+  // Mixtral: the width of one expert (there is no dense MLP).
+  c["intermediate_size"] = moe ? cfg.expert_ffn_dim() : cfg.ffn_dim();
   c["num_hidden_layers"] = cfg.n_layers;
   c["num_attention_heads"] = cfg.n_heads;
   c["num_key_value_heads"] = cfg.kv_heads();
@@ -125,6 +214,14 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
   c["initializer_range"] = cfg.init_std;
   c["tie_word_embeddings"] = cfg.tied();
   c["torch_dtype"] = "float32";
+  if (moe) {
+    c["num_local_experts"] = cfg.moe.num_experts;
+    c["num_experts_per_tok"] = cfg.moe.top_k;
+    c["router_aux_loss_coef"] = cfg.moe.aux_loss_coef;
+    c["output_router_logits"] = false;
+    c["router_jitter_noise"] = 0.0;
+    c["sliding_window"] = nullptr;
+  }
   const std::string cpath = (fs::path(out_dir) / "config.json").string();
   {
     std::ofstream f(cpath + ".tmp", std::ios::trunc);
@@ -151,6 +248,7 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     return Status::error(fmt::format("import_hf: '{}': invalid JSON", cpath));
   ModelConfig cfg;
   cfg.style = "llama";
+  bool mixtral = false;
   std::string key;
   try {
     auto need_int = [&](const char* k) -> int64_t {
@@ -161,9 +259,18 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
       return v;
     };
     key = "model_type";
-    if (c.contains("model_type") && c["model_type"].get<std::string>() != "llama")
-      return Status::error(fmt::format("import_hf: '{}': model_type is \"{}\", only \"llama\" is supported",
-                                       cpath, c["model_type"].get<std::string>()));
+    if (c.contains("model_type")) {
+      const std::string mt = c["model_type"].get<std::string>();
+      if (mt != "llama" && mt != "mixtral")
+        return Status::error(
+            fmt::format("import_hf: '{}': model_type is \"{}\", only \"llama\" and \"mixtral\" are supported",
+                        cpath, mt));
+      mixtral = mt == "mixtral";
+    } else if (c.contains("architectures")) {
+      key = "architectures";
+      for (const auto& a : c["architectures"])
+        if (a.get<std::string>() == "MixtralForCausalLM") mixtral = true;
+    }
     cfg.d_model = need_int("hidden_size");
     cfg.d_ff = need_int("intermediate_size");
     cfg.n_layers = need_int("num_hidden_layers");
@@ -172,11 +279,13 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     cfg.n_kv_heads = c.contains("num_key_value_heads") && !c["num_key_value_heads"].is_null()
                          ? need_int("num_key_value_heads")
                          : cfg.n_heads;
-    cfg.max_seq_len = c.contains("max_position_embeddings") ? need_int("max_position_embeddings") : 2048;
+    // Absent keys take the transformers config class's defaults (LlamaConfig / MixtralConfig).
+    cfg.max_seq_len = c.contains("max_position_embeddings") ? need_int("max_position_embeddings")
+                                                            : (mixtral ? 4096 * 32 : 2048);
     key = "rms_norm_eps";
-    cfg.norm_eps = c.value("rms_norm_eps", 1e-6);
+    cfg.norm_eps = c.value("rms_norm_eps", mixtral ? 1e-5 : 1e-6);
     key = "rope_theta";
-    cfg.rope_theta = c.value("rope_theta", 10000.0);
+    cfg.rope_theta = c.value("rope_theta", mixtral ? 1e6 : 10000.0);
     key = "tie_word_embeddings";
     cfg.tie_embeddings = c.value("tie_word_embeddings", false) ? 1 : 0;
     key = "initializer_range";
@@ -194,6 +303,17 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     key = "rope_scaling";
     if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
       return Status::error(fmt::format("import_hf: '{}': \"rope_scaling\" is not supported", cpath));
+    // transformers >= 5 writes rope_parameters {rope_theta, rope_type} instead of a top-level rope_theta.
+    key = "rope_parameters";
+    if (c.contains("rope_parameters") && !c["rope_parameters"].is_null()) {
+      const nlohmann::json& rp = c["rope_parameters"];
+      const std::string type = rp.value("rope_type", std::string("default"));
+      if (type != "default")
+        return Status::error(fmt::format(
+            "import_hf: '{}': \"rope_parameters\" with rope_type \"{}\" is not supported (only default)",
+            cpath, type));
+      if (rp.contains("rope_theta")) cfg.rope_theta = rp["rope_theta"].get<double>();
+    }
     if (cfg.d_model % cfg.n_heads != 0 || cfg.n_heads % cfg.n_kv_heads != 0)
       return Status::error(
           fmt::format("import_hf: '{}': hidden_size {} / num_attention_heads {} / num_key_value_heads {} are "
@@ -204,6 +324,36 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
       return Status::error(
           fmt::format("import_hf: '{}': head_dim {} differs from hidden_size / num_attention_heads = {}",
                       cpath, c["head_dim"].get<int64_t>(), cfg.head_dim()));
+    if (mixtral) {
+      // Mixtral: every layer is MoE; softmax router over all experts, top-k, gates renormalized.
+      MoeConfig& m = cfg.moe;
+      m.num_experts = need_int("num_local_experts");
+      m.top_k = need_int("num_experts_per_tok");
+      m.d_ff_expert = cfg.d_ff;
+      m.router = "softmax";
+      m.renormalize = true;
+      m.shared_experts = 0;
+      m.first_dense = 0;
+      m.every = 1;
+      m.capacity_factor = 0;
+      m.z_loss_coef = 0;
+      key = "router_aux_loss_coef";
+      m.aux_loss_coef = c.value("router_aux_loss_coef", 0.001);
+      if (m.aux_loss_coef < 0)
+        return Status::error(fmt::format("import_hf: '{}': \"router_aux_loss_coef\" must be >= 0, got {}",
+                                         cpath, m.aux_loss_coef));
+      if (m.top_k > m.num_experts)
+        return Status::error(
+            fmt::format("import_hf: '{}': num_experts_per_tok {} exceeds num_local_experts {}", cpath,
+                        m.top_k, m.num_experts));
+      key = "sliding_window";
+      if (c.contains("sliding_window") && !c["sliding_window"].is_null() &&
+          c["sliding_window"].get<int64_t>() < cfg.max_seq_len)
+        return Status::error(fmt::format(
+            "import_hf: '{}': \"sliding_window\" {} (below max_position_embeddings {}) is not supported: "
+            "attention is full causal",
+            cpath, c["sliding_window"].get<int64_t>(), cfg.max_seq_len));
+    }
   } catch (const nlohmann::json::exception& e) {
     return Status::error(fmt::format("import_hf: '{}': bad value for \"{}\": {}", cpath, key, e.what()));
   } catch (const Error& e) {
@@ -225,31 +375,23 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
   std::set<std::string> used;
   try {
     for (const Expected& e : expected_params(cfg)) {
-      if (!file.contains(e.hf))
-        return Status::error(
-            fmt::format("import_hf: '{}': tensor {} (ours: {}) is missing", mpath, e.hf, e.ours));
-      const SafetensorInfo& info = file.info(e.hf);
-      if (info.shape != e.shape)
-        return Status::error(fmt::format("import_hf: '{}': tensor {} has shape {}, config.json implies {}",
-                                         mpath, e.hf, shape_str(info.shape), shape_str(e.shape)));
-      Tensor t;
-      if (info.dtype == DType::F32) {
-        t = file.read(e.hf);
-      } else if (info.dtype == DType::BF16) {
-        Tensor raw = file.read(e.hf);
-        t = Tensor::empty(e.shape);
-        const uint16_t* src = raw.data<uint16_t>();
-        float* dst = t.f32();
-        for (int64_t i = 0; i < t.numel(); ++i) {
-          uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-          std::memcpy(&dst[i], &bits, 4);
-        }
-      } else {
-        return Status::error(
-            fmt::format("import_hf: '{}': tensor {} has dtype {} (only F32 and BF16 are supported)", mpath,
-                        e.hf, safetensors_dtype_name(info.dtype)));
+      const Shape piece = e.hf.size() == 1 ? e.shape : slice_shape(e.shape);
+      for (const std::string& hf : e.hf) {
+        if (!file.contains(hf))
+          return Status::error(
+              fmt::format("import_hf: '{}': tensor {} (ours: {}) is missing", mpath, hf, e.ours));
+        const Shape& got = file.info(hf).shape;
+        if (got != piece)
+          return Status::error(fmt::format("import_hf: '{}': tensor {} has shape {}, config.json implies {}",
+                                           mpath, hf, shape_str(got), shape_str(piece)));
       }
-      used.insert(e.hf);
+      Tensor t = Tensor::empty(e.shape);
+      const int64_t n = shape_numel(piece);
+      for (size_t x = 0; x < e.hf.size(); ++x) {
+        Tensor dst = e.hf.size() == 1 ? t : t.view_at(static_cast<int64_t>(x) * n, piece);
+        read_as_f32(file, e.hf[x], dst);
+        used.insert(e.hf[x]);
+      }
       out.emplace_back(e.ours, std::move(t));
     }
   } catch (const Error& e) {
@@ -260,8 +402,9 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     if (n.size() >= 19 && n.compare(n.size() - 19, 19, "rotary_emb.inv_freq") == 0)
       continue;                                         // buffer, not a weight
     if (n == "lm_head.weight" && cfg.tied()) continue;  // some tied exports still store the head
-    return Status::error(fmt::format(
-        "import_hf: '{}': unexpected tensor {} (not part of a plain Llama with this config)", mpath, n));
+    return Status::error(
+        fmt::format("import_hf: '{}': unexpected tensor {} (not part of a {} with this config)", mpath, n,
+                    mixtral ? "Mixtral" : "plain Llama"));
   }
   return std::make_pair(cfg, std::move(out));
 }

@@ -1,8 +1,9 @@
 #pragma once
-// Hugging Face Llama interop (docs/checkpoints.md): export a full (unsharded) model as a
-// LlamaForCausalLM directory (config.json + model.safetensors) and import one back under our names.
-// Our RoPE is rotate-half, the same convention as HF's modeling_llama, so q/k weights map 1:1 with no
-// permutation.
+// Hugging Face Llama / Mixtral interop (docs/checkpoints.md): export a full (unsharded) model as a
+// LlamaForCausalLM directory, or an MoE model as a MixtralForCausalLM one (config.json +
+// model.safetensors), and import either back under our names. Our RoPE is rotate-half, the same
+// convention as HF's modeling_llama, so q/k weights map 1:1 with no permutation. Our stacked expert
+// tensors (E, ...) are one HF tensor per expert.
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,16 +14,22 @@
 
 namespace ndt {
 
-// Our name -> HF name for a llama model ("" if the name has no HF counterpart).
+// Our name -> HF name for a llama model ("" if the name has no HF counterpart). A stacked expert tensor
+// (layers.{l}.mlp.experts.w1.weight) maps to one HF tensor per expert: the name returned holds the
+// placeholder "{e}" for the expert index (model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight).
 std::string hf_name_for(const std::string& ours);
 
 // Writes out_dir/config.json and out_dir/model.safetensors (F32). full_params: every parameter of a
 // style-llama model, full tensors under our global names. lm_head.weight is omitted when tied.
+// An MoE model (cfg.moe.enabled()) is written as MixtralForCausalLM and must be one: softmax router,
+// renormalize true, no shared experts, every layer MoE (first_dense 0, every 1), capacity_factor 0;
+// otherwise the error names the config key.
 Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
                  const std::vector<std::pair<std::string, Tensor>>& full_params);
 
-// Reads dir/config.json + dir/model.safetensors (F32 or BF16, converted to F32): returns the ModelConfig
-// and full tensors under OUR names, in our registration order. Errors name the file and the key/tensor.
+// Reads dir/config.json + dir/model.safetensors (F32 or BF16, converted to F32) of a llama or mixtral
+// model_type: returns the ModelConfig (cfg.moe filled for Mixtral) and full tensors under OUR names, in
+// our registration order (per-expert tensors stacked). Errors name the file and the key/tensor.
 Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> import_hf(const std::string& dir);
 
 }  // namespace ndt
