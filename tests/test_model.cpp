@@ -11,20 +11,7 @@
 namespace ndt {
 namespace {
 
-// Three sequences of different lengths with partial loss masks, packed (THD).
-Microbatch batch(std::mt19937& rng, int64_t vocab) {
-  std::uniform_int_distribution<int> tokd(0, static_cast<int>(vocab) - 1);
-  std::vector<Sample> samples;
-  for (int len : {7, 4, 9}) {
-    Sample s;
-    for (int i = 0; i < len; ++i) {
-      s.tokens.push_back(tokd(rng));
-      s.loss_mask.push_back(i > 1 && i % 3 != 0);
-    }
-    samples.push_back(s);
-  }
-  return pack_samples(samples, 0);
-}
+Microbatch batch(std::mt19937& rng, int64_t vocab) { return testing::three_sequences(rng, vocab); }
 
 double loss_of(Transformer& m, const Microbatch& mb) {
   Activations a;

@@ -105,20 +105,10 @@ ModelConfig moe_model(const std::string& style, const std::string& router, int64
 }
 
 Microbatch moe_batch(std::mt19937& rng, int64_t vocab) {
-  std::uniform_int_distribution<int> tokd(0, static_cast<int>(vocab) - 1);
-  std::vector<Sample> samples;
-  for (int len : {7, 4, 9}) {
-    Sample s;
-    for (int i = 0; i < len; ++i) {
-      s.tokens.push_back(tokd(rng));
-      s.loss_mask.push_back(i > 1 && i % 3 != 0);
-    }
-    samples.push_back(s);
-  }
   PackLayout layout;
   layout.seq_multiple = layout.stream_multiple =
       4;  // padding tokens: routed, but outside every balancing statistic
-  return pack_samples(samples, 0, layout);
+  return testing::three_sequences(rng, vocab, layout);
 }
 
 // Whole model: d(CE sum + aux + z)/dw against central differences of the same objective. Elements whose

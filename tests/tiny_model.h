@@ -1,7 +1,10 @@
 #pragma once
 // Shared fixtures for single-process model tests: a tiny model config and a fake TP rank.
+#include <random>
 #include <string>
+#include <vector>
 
+#include "data/packing.h"
 #include "model/tp_hooks.h"
 #include "train/config.h"
 
@@ -19,6 +22,21 @@ inline ModelConfig tiny_model(const std::string& style) {
   m.max_seq_len = 16;
   m.init_std = 0.3;  // large enough that every path carries gradient well above fp32 noise
   return m;
+}
+
+// Three sequences of different lengths (7, 4, 9) with partial loss masks, packed (THD) under `layout`.
+inline Microbatch three_sequences(std::mt19937& rng, int64_t vocab, const PackLayout& layout = {}) {
+  std::uniform_int_distribution<int> tokd(0, static_cast<int>(vocab) - 1);
+  std::vector<Sample> samples;
+  for (int len : {7, 4, 9}) {
+    Sample s;
+    for (int i = 0; i < len; ++i) {
+      s.tokens.push_back(tokd(rng));
+      s.loss_mask.push_back(i > 1 && i % 3 != 0);
+    }
+    samples.push_back(s);
+  }
+  return pack_samples(samples, 0, layout);
 }
 
 // A TP rank without communication: only shapes and offsets matter (initialization, checkpoint slices).
