@@ -17,9 +17,11 @@ Routing route(const float* logits, const float* bias, int64_t N, const RouterSpe
   r.choice.resize(static_cast<size_t>(N * k));
   r.gate.resize(static_cast<size_t>(N * k));
   r.kept.assign(static_cast<size_t>(N * k), 1);
-  std::vector<int32_t> idx(static_cast<size_t>(E));
-  std::vector<float> sel(static_cast<size_t>(E));
+  // Tokens are independent: the host loop is spread over the cores (it sits between GPU kernels).
+#pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) {
+    std::vector<int32_t> idx(static_cast<size_t>(E));
+    std::vector<float> sel(static_cast<size_t>(E));
     const float* l = logits + t * E;
     float* s = r.score.data() + t * E;
     if (spec.sigmoid) {
@@ -72,10 +74,10 @@ std::vector<float> balance_probs(const Routing& r, const RouterSpec& spec) {
 void router_backward(float* dlogits, const Routing& r, const RouterSpec& spec, const float* logits,
                      const float* dgate, const float* dP, const float* dz) {
   const int64_t E = spec.experts, k = spec.top_k;
-  std::vector<double> ds(static_cast<size_t>(E));
+#pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < r.rows; ++t) {
+    std::vector<double> ds(static_cast<size_t>(E), 0.0);
     const float* s = r.score.data() + t * E;
-    std::fill(ds.begin(), ds.end(), 0.0);
     // Gates -> raw scores of the chosen experts.
     const int64_t base = t * k;
     double raw_sum = 0, dot = 0;
