@@ -6,7 +6,11 @@ records {"type": "train", "step", "loss", "step_seconds", "elapsed_seconds", "pe
   tokens/s   global_batch * seq_len * (steps after the warm-up) / (their wall time, from elapsed_seconds)
   step time  median step_seconds over the steps after the warm-up
   MFU        tokens/s * flops_per_token / measured bf16 matmul peak, flops_per_token = 6 N + 6 L H D S
-             (N: weights in matmuls incl. the output head; causal attention; ndt_common.flops_per_token)
+             (N: weights in matmuls incl. the output head; causal attention; ndt_common.flops_per_token).
+             Mixture-of-Experts models: N counts the ACTIVE weights, those one token meets: attention, router,
+             shared experts and output head in full, the routed experts' weights times top_k / E
+             (ndt_common.matmul_params(active=True)); the header line also gives the total and active
+             parameter counts (ndt_common.param_counts)
   loss       max |loss_ndtrain - loss_torch| over the first --loss-steps steps (same init, same batches)
 
   bench_report.py --config CFG [--set k=v ...] --peak peak.json --run LABEL=DIR ... [--failed LABEL=WHY ...]
@@ -21,7 +25,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ndt_common import flops_per_token, matmul_params, read_config  # noqa: E402
+from ndt_common import flops_per_token, matmul_params, param_counts, read_config  # noqa: E402
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd"]
 
@@ -167,14 +171,23 @@ def main():
     os.makedirs(a.out, exist_ok=True)
 
     title = a.title or cfg["model.style"]
-    lines = [f"### {title}: batch {gb} x {S} tokens, {matmul_params(cfg) / 1e6:.1f}M matmul weights, "
+    total_params, active_params = param_counts(cfg)
+    if cfg.moe:
+        weights = (f"MoE {cfg['model.moe.num_experts']} experts top-{cfg['model.moe.top_k']}: "
+                   f"{total_params / 1e6:.1f}M parameters, {active_params / 1e6:.1f}M active; "
+                   f"N = {matmul_params(cfg) / 1e6:.1f}M active matmul weights "
+                   f"(of {matmul_params(cfg, active=False) / 1e6:.1f}M)")
+    else:
+        weights = f"{matmul_params(cfg) / 1e6:.1f}M matmul weights"
+    lines = [f"### {title}: batch {gb} x {S} tokens, {weights}, "
              f"{fpt / 1e9:.3f} GFLOP/token (6N + 6LHDS)",
              f"bf16 matmul peak (torch.matmul 8192^3, best of 5): {fmt(peak, '.1f')} TFLOP/s; "
              f"timing over steps >= {a.warmup}", "",
              "| run | tokens/s | step ms (median) | MFU | peak mem GiB | steps | loss step 0 → last |",
              "|---|---|---|---|---|---|---|"]
     summary = {"title": title, "config": a.config, "overrides": a.set, "peak_tflops": peak,
-               "flops_per_token": fpt, "matmul_params": matmul_params(cfg), "runs": {}}
+               "flops_per_token": fpt, "matmul_params": matmul_params(cfg), "params_total": total_params,
+               "params_active": active_params, "runs": {}}
     for label, recs, st in runs:
         if st is None:
             why = failed.get(label, f"no usable metrics ({len(recs)} steps)")

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # GPU benchmark (issue 6): ndtrain against PyTorch (eager and torch.compile, flash attention) on one GPU,
-# for GPT-2 124M (configs/gpt2-124m.yaml, batch 16 x 1024) and the Llama-style ~1B preset
-# (configs/llama-1b.yaml, batch 8 x 2048 in microbatches of 4, parallel.* = 1), bf16 with fp32 master
-# weights and AdamW on both sides, in one call:
+# for GPT-2 124M (configs/gpt2-124m.yaml, batch 16 x 1024), the Llama-style ~1B preset
+# (configs/llama-1b.yaml, batch 8 x 2048 in microbatches of 4, parallel.* = 1) and, with MODELS=moe, the
+# Mixture-of-Experts preset (configs/moe-1b.yaml: 1.22B parameters, 0.25B active, 16 experts top-2; batch
+# 8 x 2048 in microbatches of 4; PyTorch side: torch._grouped_mm experts where available, see
+# bench/torch_model.py), bf16 with fp32 master weights and AdamW on both sides, in one call:
 #   1. bf16 matmul peak: torch.matmul 8192^3, best of 5 trials (the MFU denominator);
 #   2. per model: a token shard from a random Markov chain (bench/make_markov_shard.py; GPT-2 / Llama
 #      vocabulary ids, loss falls visibly within 50 steps);
 #   3. ndtrain's initial weights: a 0-step run on the CPU writes them (model.safetensors);
 #   4. ndtrain `train --set train.device=cuda train.precision=bf16 ...`, then bench/torch_model.py eager and
 #      compile from those weights on the same batches (the same sample_index order);
-#   5. bench/bench_report.py: tokens/s, median step time, MFU (6N + 6LHDS FLOPs per token), peak memory,
+#   5. bench/bench_report.py: tokens/s, median step time, MFU (6N + 6LHDS FLOPs per token; MoE: N = the
+#      ACTIVE matmul weights, routed experts counted top_k / E), peak memory,
 #      ratios ndtrain / torch, max |loss difference| over the first 50 steps; losses.csv, loss.svg/png.
 # A failing trainer does not stop the others: its row says FAILED and the log is kept.
 #
@@ -20,11 +23,14 @@
 #                    tool lacks them, so there build here, copy the binary into a carried folder with
 #                    scripts/device_libs.sh .devlibs BINARY, and pass NDTRAIN=that/ndtrain; .devlibs in the
 #                    repo root is put on LD_LIBRARY_PATH by this script)
-#   MODELS="gpt2 llama"  STEPS=60  WARMUP=10 (steps left out of timing)  LOSS_STEPS=50
+#   MODELS="gpt2 llama"  (also: moe; tiny, tiny-moe: smoke tests)
+#   STEPS=60  WARMUP=10 (steps left out of timing)  LOSS_STEPS=50
 #   TORCH_MODES="eager compile"  PYTHON=python3  TIMEOUT=400 (seconds per training run)
 #   SCRATCH=/tmp/ndtrain-bench   big files (shards, initial weights), removed per model unless KEEP=1
-#   GPT2_SETS, LLAMA_SETS        extra `key=value` overrides for both trainers
+#   GPT2_SETS, LLAMA_SETS, MOE_SETS  extra `key=value` overrides for both trainers
 #   LLAMA_BATCH=8 LLAMA_MICRO=4 LLAMA_SEQ=2048 LLAMA_RECOMPUTE=false
+#   MOE_BATCH=8 MOE_MICRO=4 MOE_SEQ=2048 MOE_RECOMPUTE=false
+#   NDT_TORCH_MOE_GEMM=auto|grouped|loop   the PyTorch MoE experts' path (auto: grouped if its probe passes)
 #   NDTRAIN_LAUNCH               prefix for ndtrain (e.g. "mpirun -np 1 --allow-run-as-root"; default none)
 #   DEVICE=cuda PRECISION=bf16   MODELS=tiny DEVICE=cpu PRECISION=fp32 smoke-tests the script without a GPU
 set -uo pipefail
@@ -147,10 +153,19 @@ for m in $MODELS; do
       run_model llama configs/llama-1b.yaml "Llama ~1B" 32000 ids:32000 "${COMMON[@]}" train.global_batch="${LLAMA_BATCH:-8}" \
         train.micro_batch="${LLAMA_MICRO:-4}" data.seq_len="${LLAMA_SEQ:-2048}" \
         train.recompute="${LLAMA_RECOMPUTE:-false}" ${LLAMA_SETS:-} ;;
+    moe)
+      # shellcheck disable=SC2086
+      run_model moe configs/moe-1b.yaml "MoE 1.2B (0.25B active)" 32000 ids:32000 "${COMMON[@]}" parallel.ep=1 \
+        train.global_batch="${MOE_BATCH:-8}" train.micro_batch="${MOE_MICRO:-4}" data.seq_len="${MOE_SEQ:-2048}" \
+        train.recompute="${MOE_RECOMPUTE:-false}" ${MOE_SETS:-} ;;
     tiny)  # smoke test of this script (seconds; DEVICE=cpu PRECISION=fp32 runs it without a GPU)
       run_model tiny configs/tiny-gpt2.yaml "tiny GPT-2 (smoke test)" 259 byte "${COMMON[@]}" data.task=shards \
         train.global_batch=8 train.micro_batch=4 data.seq_len=32 ;;
-    *) log "unknown model '$m' (gpt2, llama, tiny)" ;;
+    tiny-moe)  # smoke test of the MoE path (tiny Llama, 4 experts top-2, z-loss on; DEVICE=cpu PRECISION=fp32 works)
+      run_model tiny-moe configs/tiny-llama.yaml "tiny Llama MoE (smoke test)" 259 byte "${COMMON[@]}" parallel.ep=1 \
+        data.task=shards model.moe.num_experts=4 model.moe.top_k=2 model.moe.z_loss_coef=0.001 \
+        train.global_batch=8 train.micro_batch=4 data.seq_len=32 ;;
+    *) log "unknown model '$m' (gpt2, llama, moe, tiny, tiny-moe)" ;;
   esac
 done
 log "done: $OUT/summary.md"

@@ -2,12 +2,14 @@
 
 Everything here mirrors ndtrain's C++ exactly, so that the PyTorch run sees the same model shape,
 hyperparameters and batches as `ndtrain train`:
-  - read_config: ndtrain's YAML configs (the flat two-level subset they use) + `--set a.b=v` overrides,
-    with ndtrain's defaults (src/train/config.h) and derived sizes (ffn_dim, kv_heads, tied);
+  - read_config: ndtrain's YAML configs (the block-mapping subset they use, nested sections such as
+    model.moe included) + `--set a.b=v` overrides, with ndtrain's defaults (src/train/config.h) and
+    derived sizes (ffn_dim, kv_heads, tied, the MoE layers and expert width);
   - sample_index: the data order (src/data/batch.cpp: Philox4x32-10 keyed Feistel permutation);
   - lr_at: the schedule (src/train/schedule.cpp);
   - token shards: the NDTSHARD format (src/data/shards.h);
-  - flops_per_token: the model FLOPs the benchmark's MFU uses.
+  - flops_per_token: the model FLOPs the benchmark's MFU uses (MoE: the ACTIVE weights, matmul_params);
+  - param_counts: total and active parameters.
 Python standard library only.
 """
 import math
@@ -26,6 +28,11 @@ DEFAULTS = {
     "train.lr": 1e-3, "train.min_lr": 1e-4, "train.warmup_steps": 50, "train.beta1": 0.9, "train.beta2": 0.95,
     "train.adam_eps": 1e-8, "train.weight_decay": 0.1, "train.grad_clip": 1.0, "train.recompute": False,
     "parallel.dp": 1,
+    # model.moe (MoeConfig)
+    "model.moe.num_experts": 0, "model.moe.top_k": 2, "model.moe.d_ff_expert": 0, "model.moe.shared_experts": 0,
+    "model.moe.first_dense": 0, "model.moe.every": 1, "model.moe.router": "softmax", "model.moe.renormalize": True,
+    "model.moe.aux_loss_coef": 0.01, "model.moe.z_loss_coef": 0.0, "model.moe.bias_update_rate": 1e-3,
+    "model.moe.capacity_factor": 0.0,
 }
 
 
@@ -55,9 +62,10 @@ def _strip_comment(line):
 
 
 def parse_yaml_flat(path):
-    """The subset of YAML ndtrain's configs use: `section:` then `  key: scalar`; `preset: NAME` on top."""
+    """The subset of YAML ndtrain's configs use: block mappings of scalars, any depth (`model:` then
+    `  moe:` then `    top_k: 2` gives "model.moe.top_k"); `preset: NAME` on top."""
     out = {}
-    section = None
+    stack = []  # (indent, key) of the open mappings
     with open(path) as f:
         for raw in f:
             line = _strip_comment(raw.rstrip("\n")).rstrip()
@@ -67,12 +75,13 @@ def parse_yaml_flat(path):
             key, sep, value = line.strip().partition(":")
             if not sep:
                 raise ValueError(f"{path}: cannot parse line: {raw!r}")
-            if indent == 0 and value.strip() == "":
-                section = key
-            elif indent == 0:
-                out[key] = _scalar(value)
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            name = ".".join([k for _, k in stack] + [key.strip()])
+            if value.strip() == "":
+                stack.append((indent, key.strip()))
             else:
-                out[f"{section}.{key}"] = _scalar(value)
+                out[name] = _scalar(value)
     if "preset" in out:  # a preset's keys first, then this file's
         name = out.pop("preset")
         here = os.path.join(os.path.dirname(path), f"{name}.yaml")
@@ -111,6 +120,24 @@ class Config(dict):
     def tied(self):
         t = self["model.tie_embeddings"]
         return self.gpt2 if t < 0 else t != 0
+
+    @property
+    def moe(self):
+        return self["model.moe.num_experts"] > 0
+
+    def is_moe_layer(self, l):
+        """ModelConfig::is_moe_layer: l >= first_dense and (l - first_dense) % every == 0."""
+        first, every = self["model.moe.first_dense"], self["model.moe.every"]
+        return self.moe and l >= first and (l - first) % every == 0
+
+    @property
+    def expert_ffn_dim(self):
+        return self["model.moe.d_ff_expert"] if self["model.moe.d_ff_expert"] > 0 else self.ffn_dim
+
+    @property
+    def shared_ffn_dim(self):
+        """Width of the shared experts' dense MLP (0: none)."""
+        return self["model.moe.shared_experts"] * self.expert_ffn_dim if self.moe else 0
 
     @property
     def micro_batch(self):
@@ -214,18 +241,58 @@ def read_shard_header(path):
 
 # ---- FLOPs --------------------------------------------------------------------------------------
 
-def matmul_params(cfg):
+def matmul_params(cfg, active=True):
     """Weights that take part in matmuls: every layer's linear weights and the output head (tied or not).
-    Embedding / position lookups, norms and biases are not counted."""
+    Embedding / position lookups, norms and biases are not counted. MoE layers: the router (E x C), the
+    shared experts, and the routed experts' weights times top_k / E when `active` (the weights one token
+    meets: what the FLOPs of a step are made of), all E experts otherwise."""
     c, hd, kv, f, L, v = (cfg["model.d_model"], cfg["model.n_heads"] * cfg.head_dim, cfg.kv_heads * cfg.head_dim,
                           cfg.ffn_dim, cfg["model.n_layers"], cfg["model.vocab_size"])
+    mats = 2 if cfg.gpt2 else 3  # gpt2: fc, proj; llama: w1, w3, w2
     attn = c * hd + 2 * c * kv + hd * c
-    mlp = (2 if cfg.gpt2 else 3) * c * f
-    return L * (attn + mlp) + v * c
+    total = v * c
+    for l in range(L):
+        total += attn
+        if cfg.is_moe_layer(l):
+            E, k = cfg["model.moe.num_experts"], cfg["model.moe.top_k"]
+            expert = mats * c * cfg.expert_ffn_dim
+            total += (k if active else E) * expert + E * c + mats * c * cfg.shared_ffn_dim
+        else:
+            total += mats * c * f
+    return total
+
+
+def param_counts(cfg):
+    """(total, active) parameters as ndtrain's model holds them: embeddings (tokens; gpt2 also positions),
+    untied head, norms (gpt2: with biases), linear biases (gpt2), routers; active counts top_k of the E
+    routed experts of each MoE layer."""
+    c, L, v = cfg["model.d_model"], cfg["model.n_layers"], cfg["model.vocab_size"]
+    hd, kvd = cfg["model.n_heads"] * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    norm = 2 * c if cfg.gpt2 else c
+    emb = v * c + (cfg["model.max_seq_len"] * c if cfg.gpt2 else 0) + (0 if cfg.tied else v * c)
+    total = active = emb + norm  # + final norm
+
+    def mlp(width):  # weights and (gpt2) biases of one dense MLP
+        return (2 * c * width + width + c) if cfg.gpt2 else 3 * c * width
+
+    for l in range(L):
+        layer = 2 * norm + c * hd + 2 * c * kvd + hd * c + ((hd + kvd + c) if cfg.gpt2 else 0)  # no key bias
+        if cfg.is_moe_layer(l):
+            E, k = cfg["model.moe.num_experts"], cfg["model.moe.top_k"]
+            expert = mlp(cfg.expert_ffn_dim)
+            shared = mlp(cfg.shared_ffn_dim) if cfg.shared_ffn_dim else 0
+            router = E * c + (E if cfg["model.moe.router"] == "sigmoid" else 0)  # + expert_bias
+            total += layer + router + shared + E * expert
+            active += layer + router + shared + k * expert
+        else:
+            total += layer + mlp(cfg.ffn_dim)
+            active += layer + mlp(cfg.ffn_dim)
+    return total, active
 
 
 def flops_per_token(cfg, seq_len):
     """6 N + 6 L H D S: 6 FLOPs per matmul weight per token (forward 2, backward 4), plus causal attention:
     per layer and token the forward computes QK^T and PV over S/2 keys on average, 2 * 2 * (S/2) * H * D,
-    and the backward twice that (PaLM's 12 L H D S counts the full, non-causal square)."""
+    and the backward twice that (PaLM's 12 L H D S counts the full, non-causal square). N is
+    matmul_params(cfg, active=True): for an MoE model the ACTIVE weights (top_k of the E routed experts)."""
     return 6 * matmul_params(cfg) + 6 * cfg["model.n_layers"] * cfg["model.n_heads"] * cfg.head_dim * seq_len

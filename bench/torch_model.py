@@ -7,6 +7,19 @@ ndtrain's model.safetensors, so one file initializes both):
          the key projection (ndtrain has no key bias: softmax ignores it), tied output head.
   llama: RMSNorm, rotate-half RoPE (pairs (i, i + D/2), angle = pos * theta^(-2i/D), angles in double),
          SwiGLU MLP (w2(silu(w1 x) * w3 x)), GQA (query head h uses kv head h // (H / KV)), untied head.
+  MoE (llama style, model.moe.num_experts > 0; src/model/moe.cpp): in the MoE layers (model.moe.first_dense,
+         every) the MLP is a router mlp.router.weight (E, C), fp32 logits of the block input rounded to the
+         compute dtype, softmax, top-k (ties to the smaller expert), gates renormalized to sum 1
+         (model.moe.renormalize), y_t = sum_j g_tj * w2_e(silu(w1_e x_t) * w3_e x_t) over the experts
+         mlp.experts.{w1,w3,w2}.weight (E, F, C), (E, F, C), (E, C, F), plus the shared experts
+         mlp.shared.{w1,w3,w2} (a dense SwiGLU MLP of width shared_experts * d_ff_expert). Dropless; softmax
+         router only (no capacity factor, no sigmoid router). The objective adds per MoE layer the aux loss
+         alpha E / S * sum_s sum_e c_se / (k T_s) * mean_{t in s} p_te (S sequences of the global batch,
+         c_se slots of sequence s routed to e, a constant) and the z-loss beta / R * sum_t logsumexp(l_t)^2
+         (R tokens of the global batch); the reported loss is the cross-entropy alone, as ndtrain's.
+         Experts: torch._grouped_mm (bf16 on CUDA, when a probe in a subprocess passes; expert groups padded
+         to multiples of 8 rows) or a loop over the experts (fp32, CPU, older torch, or a failed probe);
+         NDT_TORCH_MOE_GEMM=auto|grouped|loop overrides; the log says which ran.
   both:  pre-norm residual blocks; attention scale 1/sqrt(D); loss = sum of token losses / tokens in the
          global batch (microbatches accumulate); AdamW (PyTorch semantics = ndtrain's: decoupled decay
          lr * wd on matrices only, not norms or biases; bias corrections per step); clipping of the global
@@ -17,15 +30,22 @@ F.scaled_dot_product_attention(is_causal=True), restricted to the flash backend 
   torch_model.py train --config CFG.yaml [--set k=v ...] [--init model.safetensors] --out DIR
                        [--mode eager|compile] [--device cuda] [--precision bf16|fp32] [--steps N]
       writes DIR/metrics.jsonl: one {"type": "train", "step", "loss", "lr", "grad_norm", "step_seconds",
-      "elapsed_seconds", "peak_mem_gib"} per step, the fields ndtrain's metrics.jsonl has.
+      "elapsed_seconds", "peak_mem_gib"} per step, the fields ndtrain's metrics.jsonl has (MoE models also
+      "moe_aux_loss", "moe_z_loss", "expert_load_max_over_mean", "expert_load", as ndtrain).
   torch_model.py peak [--n 8192] [--trials 5] [--iters 20]
       prints {"peak_tflops": ...}: the best bf16 torch.matmul n x n x n throughput.
+  torch_model.py probe-grouped-mm [--experts E --c C --f F]
+      checks torch._grouped_mm (the MoE experts' path) against the per-expert loop, forward and backward, on
+      CUDA in bf16; exit 0 when it matches (train runs it in a subprocess: a device-side assert there
+      cannot take the training process down).
 """
 import argparse
+import importlib
 import json
 import math
 import os
 import struct
+import subprocess
 import sys
 import time
 
@@ -35,7 +55,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ndt_common import lr_at, read_config, read_shard_header, sample_index  # noqa: E402
+from ndt_common import lr_at, param_counts, read_config, read_shard_header, sample_index  # noqa: E402
 
 HAVE_SDPA = hasattr(F, "scaled_dot_product_attention")
 
@@ -116,9 +136,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, width=None):
         super().__init__()
-        c, f = cfg["model.d_model"], cfg.ffn_dim
+        c, f = cfg["model.d_model"], width or cfg.ffn_dim
         self.gpt2 = cfg.gpt2
         if self.gpt2:
             self.fc, self.proj = nn.Linear(c, f), nn.Linear(f, c)
@@ -131,19 +151,222 @@ class MLP(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+# ---- Mixture of Experts ---------------------------------------------------------------------------
+
+GROUP_ALIGN = 8  # grouped GEMM: rows of each expert group padded to a multiple of this (16 bytes of bf16)
+
+
+def route_rows(flat, E, align):
+    """Rows of an expert-grouped buffer for the R = N k slots (flat (R): expert of slot t k + j). Expert e's
+    slots fill rows [start_e, start_e + count_e) in slot order, i.e. the buffer is sorted by (expert, token,
+    slot) as ndtrain's permutation. align > 1: each group is padded to a multiple of align rows (at least
+    align: no empty group) and the last group takes the slack up to a static size R + E align (rounded up).
+    No host synchronization. Returns slot_row (R) int64, group ends (E) int64, counts (E) int64, rows, and
+    the (R, E) one-hot of the choices."""
+    R = flat.numel()
+    onehot = (flat[:, None] == torch.arange(E, device=flat.device)).long()  # (R, E); no host sync
+    cum = onehot.cumsum(0)
+    counts = cum[-1]
+    rank = cum.gather(1, flat[:, None]).squeeze(1) - 1  # slots of the same expert before this one
+    if align > 1:
+        size = ((counts + align - 1) // align * align).clamp_min(align)
+        rows = (R + E * align + align - 1) // align * align
+    else:
+        size, rows = counts, R
+    ends = torch.cumsum(size, 0)
+    slot_row = (ends - size)[flat] + rank
+    if align > 1:
+        ends = torch.cat([ends[:-1], ends.new_full((1,), rows)])
+    return slot_row, ends, counts, rows, onehot
+
+
+def experts_grouped(xk, slot_row, ends, rows, w1, w3, w2):
+    """xk (R, C): the input of each slot; w1, w3 (E, F, C), w2 (E, C, F) in xk's dtype (bf16).
+    Three torch._grouped_mm over the padded expert-grouped buffer; returns (R, C), each slot's expert output."""
+    offs = ends.to(torch.int32)
+    xb = xk.new_zeros(rows, xk.shape[1]).index_copy(0, slot_row, xk)
+    # mat_b (E, K, N) as the transposed (column-major) view of the (E, N, K) weights: the layout
+    # torch._grouped_mm's tests use and nn.Linear's, no copy.
+    h1 = torch._grouped_mm(xb, w1.transpose(-2, -1), offs=offs)
+    h3 = torch._grouped_mm(xb, w3.transpose(-2, -1), offs=offs)
+    y = torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offs)
+    return y.index_select(0, slot_row)
+
+
+def _experts_loop(xk, slot_row, counts, w1, w3, w2):
+    """The per-expert loop (one host sync for the counts); same contract as experts_grouped, unpadded rows."""
+    xs = torch.zeros_like(xk).index_copy(0, slot_row, xk)
+    outs, row = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            h = xs[row:row + n]
+            outs.append(F.linear(F.silu(F.linear(h, w1[e])) * F.linear(h, w3[e]), w2[e]))
+        row += n
+    return torch.cat(outs).index_select(0, slot_row)
+
+
+# Under torch.compile the loop runs eagerly (its sizes change every step: compiling it would recompile).
+_compiler_disable = getattr(getattr(torch, "compiler", None), "disable", None)
+experts_loop = _compiler_disable(_experts_loop) if _compiler_disable else _experts_loop
+
+
+class ExpertWeight(nn.Module):
+    def __init__(self, *shape):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape))
+
+
+class Experts(nn.Module):
+    def __init__(self, E, f, c):
+        super().__init__()
+        self.w1, self.w3, self.w2 = ExpertWeight(E, f, c), ExpertWeight(E, f, c), ExpertWeight(E, c, f)
+
+
+class MoE(nn.Module):
+    """ndtrain's MoeLayer (llama style, softmax router, dropless) + shared experts. forward(x (B, T, C)) ->
+    (y (B, T, C), aux + z loss (fp32 scalar, normalized over the global batch), stats (E + 2) detached:
+    slots per expert, aux, z)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.gpt2:
+            raise SystemExit("torch_model.py: MoE is implemented for model.style llama only")
+        if cfg["model.moe.router"] != "softmax":
+            raise SystemExit("torch_model.py: MoE needs model.moe.router softmax (the sigmoid router's expert "
+                             "bias is updated outside the gradient; not implemented here)")
+        if cfg["model.moe.capacity_factor"] > 0:
+            raise SystemExit("torch_model.py: MoE is dropless here: model.moe.capacity_factor must be 0")
+        c = cfg["model.d_model"]
+        self.E, self.k, f = cfg["model.moe.num_experts"], cfg["model.moe.top_k"], cfg.expert_ffn_dim
+        self.renormalize = bool(cfg["model.moe.renormalize"])
+        self.aux_coef, self.z_coef = float(cfg["model.moe.aux_loss_coef"]), float(cfg["model.moe.z_loss_coef"])
+        self.router = nn.Linear(c, self.E, bias=False)
+        self.experts = Experts(self.E, f, c)
+        self.shared = MLP(cfg, cfg.shared_ffn_dim) if cfg.shared_ffn_dim > 0 else None
+        # Set by train(): the compute dtype (bf16 under autocast), the expert GEMM path, and the global
+        # batch's sequences and tokens that the aux and z losses are means over.
+        self.compute_dtype = torch.float32
+        self.gemm = "loop"
+        self.norm_seqs, self.norm_tokens = 1.0, 1.0
+
+    def forward(self, x):
+        B, T, C = x.shape
+        N, E, k, dt = B * T, self.E, self.k, self.compute_dtype
+        xc = x.reshape(N, C).to(dt)  # ndtrain's MoE input: the norm's output in the compute dtype
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(xc.float(), self.router.weight.float())  # (N, E) fp32
+            p = torch.softmax(logits, dim=-1)
+            # top-k, ties to the smaller expert: a stable descending sort keeps equal scores in index order
+            top_p, top_e = torch.sort(p, dim=-1, descending=True, stable=True)
+            top_p, top_e = top_p[:, :k], top_e[:, :k]
+            gates = top_p / top_p.sum(-1, keepdim=True) if self.renormalize else top_p
+            flat = top_e.reshape(N * k)
+            slot_row, ends, counts, rows, onehot = route_rows(flat, E, GROUP_ALIGN if self.gemm == "grouped" else 1)
+            aux = logits.new_zeros(())
+            z = logits.new_zeros(())
+            if self.aux_coef > 0:
+                c_se = onehot.view(B, T * k, E).sum(1).float()  # slots of sequence s routed to e (constant)
+                P = p.view(B, T, E).mean(1)  # mean balancing probability of e over the tokens of s
+                aux = self.aux_coef * E / self.norm_seqs * (c_se / (k * T) * P).sum()
+            if self.z_coef > 0:
+                lse = torch.logsumexp(logits, dim=-1)
+                z = self.z_coef / self.norm_tokens * (lse * lse).sum()
+        w1, w3, w2 = (m.weight.to(dt) for m in (self.experts.w1, self.experts.w3, self.experts.w2))
+        xk = xc.unsqueeze(1).expand(N, k, C).reshape(N * k, C)  # slot t k + j: token t
+        if self.gemm == "grouped":
+            ys = experts_grouped(xk, slot_row, ends, rows, w1, w3, w2)
+        else:
+            ys = experts_loop(xk, slot_row, counts, w1, w3, w2)
+        y = (ys.view(N, k, C).float() * gates.unsqueeze(-1)).sum(1).to(dt)  # gates in fp32, as ndtrain
+        if self.shared is not None:
+            y = y + self.shared(xc)
+        stats = torch.cat([counts.float(), aux.detach().view(1), z.detach().view(1)])
+        return y.view(B, T, C), aux + z, stats
+
+
+def probe_grouped_mm(a):
+    """Subprocess check of the grouped path (see the module docstring); prints one line, exit 0 = usable."""
+    if not hasattr(torch, "_grouped_mm"):
+        print(f"torch {torch.__version__} has no torch._grouped_mm")
+        sys.exit(1)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    E, C, Fd = a.experts, a.c, a.f
+    # Uneven groups: an empty one, sizes that are not multiples of 8.
+    sizes = [0, 1, 37, 5, 130, 3, 64, 17] * ((E + 7) // 8)
+    flat = torch.cat([torch.full((n,), e, dtype=torch.long) for e, n in enumerate(sizes[:E])])
+    flat = flat[torch.randperm(flat.numel())].to(dev)
+    R = flat.numel()
+    x = torch.randn(R, C, device=dev, dtype=torch.bfloat16)
+    ws = [torch.randn(E, Fd, C, device=dev) * C ** -0.5, torch.randn(E, Fd, C, device=dev) * C ** -0.5,
+          torch.randn(E, C, Fd, device=dev) * Fd ** -0.5]
+    dy = torch.randn(R, C, device=dev, dtype=torch.bfloat16)
+    results = []
+    for path in ("grouped", "loop"):
+        xi = x.clone().requires_grad_(True)
+        wi = [w.clone().requires_grad_(True) for w in ws]
+        slot_row, ends, counts, rows, _ = route_rows(flat, E, GROUP_ALIGN if path == "grouped" else 1)
+        wb = [w.to(torch.bfloat16) for w in wi]
+        if path == "grouped":
+            y = experts_grouped(xi, slot_row, ends, rows, *wb)
+        else:
+            y = _experts_loop(xi, slot_row, counts, *wb)
+        y.backward(dy)
+        torch.cuda.synchronize()
+        results.append([y.float(), xi.grad.float()] + [w.grad for w in wi])
+    worst = 0.0
+    for name, g, r in zip(("y", "dx", "dw1", "dw3", "dw2"), *results):
+        err = ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
+        worst = max(worst, err)
+        if not math.isfinite(err) or err > 2e-2:
+            print(f"torch._grouped_mm differs from the loop: {name} max error {err:.3g} (relative to max |ref|)")
+            sys.exit(1)
+    print(f"torch._grouped_mm ok (torch {torch.__version__}, E {E} C {C} F {Fd}, worst relative error "
+          f"{worst:.2e} vs the loop)")
+
+
+def choose_expert_gemm(cfg, dev, bf16):
+    """('grouped' | 'loop', why)."""
+    want = os.environ.get("NDT_TORCH_MOE_GEMM", "auto")
+    if want == "loop":
+        return "loop", "NDT_TORCH_MOE_GEMM=loop"
+    if not hasattr(torch, "_grouped_mm"):
+        return "loop", f"torch {torch.__version__} has no torch._grouped_mm"
+    if dev.type != "cuda" or not bf16:
+        return "loop", "torch._grouped_mm's kernel is bf16 on CUDA"
+    if want == "grouped":
+        return "grouped", "NDT_TORCH_MOE_GEMM=grouped (no probe)"
+    cmd = [sys.executable, os.path.abspath(__file__), "probe-grouped-mm", "--experts",
+           str(cfg["model.moe.num_experts"]), "--c", str(cfg["model.d_model"]), "--f", str(cfg.expert_ffn_dim)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as ex:
+        return "loop", f"grouped-GEMM probe did not run: {ex}"
+    out = (r.stdout + r.stderr).strip().splitlines()
+    if r.returncode == 0:
+        return "grouped", out[-1] if out else "probe passed"
+    return "loop", f"grouped-GEMM probe failed (exit {r.returncode}): " + " | ".join(out[-3:])
+
+
 def make_norm(cfg):
     c, eps = cfg["model.d_model"], cfg["model.norm_eps"]
     return nn.LayerNorm(c, eps=eps) if cfg.gpt2 else RMSNorm(c, eps)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer):
         super().__init__()
-        self.attn_norm, self.attn, self.mlp_norm, self.mlp = make_norm(cfg), Attention(cfg), make_norm(cfg), MLP(cfg)
+        self.attn_norm, self.attn, self.mlp_norm = make_norm(cfg), Attention(cfg), make_norm(cfg)
+        self.moe = cfg.is_moe_layer(layer)
+        self.mlp = MoE(cfg) if self.moe else MLP(cfg)
 
     def forward(self, x, cos, sin):
+        """-> (x, aux loss, MoE stats); the last two None in a dense layer."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        if not self.moe:
+            return x + self.mlp(self.mlp_norm(x)), None, None
+        y, aux, stats = self.mlp(self.mlp_norm(x))
+        return x + y, aux, stats
 
 
 class Embed(nn.Module):
@@ -161,7 +384,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embed(cfg)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg["model.n_layers"]))
+        self.layers = nn.ModuleList(Block(cfg, l) for l in range(cfg["model.n_layers"]))
         self.final_norm = make_norm(cfg)
         if not cfg.tied:
             self.lm_head = nn.Linear(cfg["model.d_model"], cfg["model.vocab_size"], bias=False)
@@ -181,24 +404,32 @@ class Transformer(nn.Module):
                 if p.dim() == 1:
                     p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
                 else:
-                    s = proj_std if name.endswith(("attn.wo.weight", "mlp.proj.weight", "mlp.w2.weight")) else std
+                    s = proj_std if name.endswith(("attn.wo.weight", "mlp.proj.weight", "mlp.w2.weight",
+                                                   "experts.w2.weight", "shared.w2.weight")) else std
                     p.copy_(torch.randn(p.shape, generator=g) * s)
 
     def forward(self, idx, targets):
-        """idx, targets (B, T) int64. Returns the SUM of token losses (fp32)."""
+        """idx, targets (B, T) int64. Returns (the SUM of token losses (fp32), the MoE layers' aux + z losses
+        (fp32 scalar, already a global-batch mean) or None, their stats (layers, E + 2) or None)."""
         B, T = idx.shape
         x = self.embed.tokens(idx)
         if self.cfg.gpt2:
             x = x + self.embed.positions.weight[:T]
+        aux, stats = None, []
         for layer in self.layers:
             if self.recompute and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+                x, a, st = torch.utils.checkpoint.checkpoint(layer, x, self.rope_cos, self.rope_sin,
+                                                             use_reentrant=False)
             else:
-                x = layer(x, self.rope_cos, self.rope_sin)
+                x, a, st = layer(x, self.rope_cos, self.rope_sin)
+            if a is not None:
+                aux = a if aux is None else aux + a
+                stats.append(st)
         x = self.final_norm(x)
         w = self.embed.tokens.weight if self.cfg.tied else self.lm_head.weight
         logits = F.linear(x, w)
-        return F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), reduction="sum")
+        ce = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), reduction="sum")
+        return ce, aux, (torch.stack(stats) if stats else None)
 
 
 # ---- safetensors (F32 / BF16, enough for ndtrain's model.safetensors) ---------------------------
@@ -300,17 +531,48 @@ def train(a):
         opt_kw["fused"] = True
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["train.weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}], **opt_kw)
-    fwd = torch.compile(model) if a.mode == "compile" else model
     bf16 = a.precision == "bf16"
+    moe_layers = [l for l, b in enumerate(model.layers) if b.moe]
+    if moe_layers:
+        # The expert GEMM path: torch._grouped_mm if a probe in a subprocess passes, else the per-expert loop.
+        gemm, why = choose_expert_gemm(cfg, dev, bf16)
+        set_moe(model, gemm, torch.bfloat16 if bf16 else torch.float32, gb, gb * S)
+        print(f"MoE experts: {'torch._grouped_mm' if gemm == 'grouped' else 'per-expert loop'} ({why})", flush=True)
+    fwd = torch.compile(model) if a.mode == "compile" else model
     params = list(model.parameters())
     shuffle = bool(cfg.get("data.shuffle", True))
 
     os.makedirs(a.out, exist_ok=True)
     out = open(os.path.join(a.out, "metrics.jsonl"), "w")
     n_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embed.positions"))
-    print(f"torch {torch.__version__} {a.mode}: {cfg['model.style']} model, {n_params} parameters, "
+    if moe_layers:
+        total, active = param_counts(cfg)
+        n_desc = (f"{n_params} parameters ({active} active: top-{cfg['model.moe.top_k']} of "
+                  f"{cfg['model.moe.num_experts']} experts in {len(moe_layers)} MoE layers)")
+    else:
+        n_desc = f"{n_params} parameters"
+    print(f"torch {torch.__version__} {a.mode}: {cfg['model.style']} model, {n_desc}, "
           f"{gb} x {S} tokens/step (micro {mbs}), {a.precision}, device {dev}, "
           f"{'ndtrain init ' + a.init if a.init else 'own init (no ndtrain weights)'}", flush=True)
+
+    def forward_backward(x_all, y_all, n_tokens):
+        """All microbatches of a step: gradients accumulated; (sum of token losses, MoE stats or None)."""
+        loss_sum = torch.zeros((), device=dev)
+        moe_stats = None
+        for m0 in range(0, gb, mbs):
+            x = x_all[m0:m0 + mbs].to(dev, non_blocking=True)
+            y = y_all[m0:m0 + mbs].to(dev, non_blocking=True)
+            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16):
+                ls, aux, st = fwd(x, y)
+            obj = ls / n_tokens
+            if aux is not None:
+                obj = obj + aux  # aux / z losses: already means over the global batch
+            obj.backward()
+            loss_sum += ls.detach()
+            if st is not None:
+                moe_stats = st if moe_stats is None else moe_stats + st
+        return loss_sum, moe_stats
+
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -320,14 +582,22 @@ def train(a):
                sample_index(cfg["data.seed"], step, j, gb, data.size) for j in range(gb)]
         x_all, y_all = data.batch(idx)
         n_tokens = y_all.numel()  # every target of a shard sample bears loss
-        loss_sum = torch.zeros((), device=dev)
-        for m0 in range(0, gb, mbs):
-            x = x_all[m0:m0 + mbs].to(dev, non_blocking=True)
-            y = y_all[m0:m0 + mbs].to(dev, non_blocking=True)
-            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16):
-                ls = fwd(x, y)
-            (ls / n_tokens).backward()
-            loss_sum += ls.detach()
+        try:
+            loss_sum, moe_stats = forward_backward(x_all, y_all, n_tokens)
+        except Exception as ex:  # noqa: BLE001
+            # The grouped expert GEMM failing at the real sizes (or under torch.compile): the per-expert loop.
+            if step > 0 or not moe_layers or model.layers[moe_layers[0]].mlp.gemm != "grouped":
+                raise
+            print(f"MoE experts: torch._grouped_mm failed in step 0 ({type(ex).__name__}: "
+                  f"{str(ex).strip().splitlines()[0] if str(ex).strip() else ''}); "
+                  "falling back to the per-expert loop", flush=True)
+            opt.zero_grad(set_to_none=True)
+            set_moe(model, "loop", torch.bfloat16 if bf16 else torch.float32, gb, gb * S)
+            if a.mode == "compile":
+                importlib.import_module("torch._dynamo").reset()  # (no `import torch...` here: torch would go local)
+                fwd = torch.compile(model)
+            loss_sum, moe_stats = forward_backward(x_all, y_all, n_tokens)
+            print("MoE experts: per-expert loop (after the grouped GEMM failed)", flush=True)
         clip = cfg["train.grad_clip"]
         gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         lr = lr_at(step, steps if a.schedule_steps is None else a.schedule_steps, cfg["train.warmup_steps"],
@@ -343,13 +613,30 @@ def train(a):
         rec = {"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": float(gnorm),
                "loss_tokens": n_tokens, "step_seconds": t1 - t0, "elapsed_seconds": t1 - start,
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0}
+        moe_note = ""
+        if moe_stats is not None:  # as ndtrain's metrics: values over the global batch, coefficients applied
+            E = cfg["model.moe.num_experts"]
+            st = moe_stats.double().cpu().tolist()
+            ratios = [max(r[:E]) / (sum(r[:E]) / E) for r in st if sum(r[:E]) > 0]
+            rec["moe_aux_loss"] = sum(r[E] for r in st)
+            rec["moe_z_loss"] = sum(r[E + 1] for r in st)
+            rec["expert_load_max_over_mean"] = max(ratios) if ratios else 0.0
+            rec["expert_load"] = {str(l): r[:E] for l, r in zip(moe_layers, st)}
+            moe_note = (f" | aux {rec['moe_aux_loss']:.4f} z {rec['moe_z_loss']:.4f} | "
+                        f"load max/mean {rec['expert_load_max_over_mean']:.2f}")
         out.write(json.dumps(rec) + "\n")
         out.flush()
         if step % a.log_every == 0 or step == steps - 1:
             print(f"step {step:5d}/{steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {float(gnorm):.3f} | "
                   f"{gb * S / (t1 - t0):,.0f} tok/s | step {1e3 * (t1 - t0):.1f} ms | "
-                  f"mem {rec['peak_mem_gib']:.2f} GiB", flush=True)
+                  f"mem {rec['peak_mem_gib']:.2f} GiB{moe_note}", flush=True)
     out.close()
+
+
+def set_moe(model, gemm, compute_dtype, seqs, tokens):
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.gemm, m.compute_dtype, m.norm_seqs, m.norm_tokens = gemm, compute_dtype, float(seqs), float(tokens)
 
 
 def peak(a):
@@ -393,8 +680,12 @@ def main():
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    g = sub.add_parser("probe-grouped-mm")
+    g.add_argument("--experts", type=int, default=16)
+    g.add_argument("--c", type=int, default=1024)
+    g.add_argument("--f", type=int, default=1408)
     a = ap.parse_args()
-    train(a) if a.cmd == "train" else peak(a)
+    {"train": train, "peak": peak, "probe-grouped-mm": probe_grouped_mm}[a.cmd](a)
 
 
 if __name__ == "__main__":
