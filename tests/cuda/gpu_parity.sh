@@ -4,7 +4,7 @@
 # grad norm within 1e-5 relative per step, weights after 5 steps within 1e-4 of ||w_ref||_inf, logprobs
 # within 1e-4. The tiny configs get head dim 64 (the flash-attention kernels take 64 or 128).
 # Rows needing more GPUs than this machine has are listed as not run; no GPU at all: exit 77 (skip).
-# Usage: gpu_parity.sh NDTRAIN [MPIRUN]
+# Usage: gpu_parity.sh NDTRAIN [MPIRUN]     (ONLY=regex runs the rows whose style_name matches)
 set -uo pipefail
 ndtrain=${1:?usage: gpu_parity.sh NDTRAIN [MPIRUN]}
 mpirun=${2:-mpirun}
@@ -51,6 +51,7 @@ pass=0 fail=0 skipped=()
 for style in llama gpt2; do
   for row in "${rows[@]}"; do
     read -r name np sets <<<"$row"
+    if [[ -n ${ONLY:-} && ! ${style}_${name} =~ $ONLY ]]; then continue; fi
     if ((np > gpus)); then
       skipped+=("${style}_${name}(${np})")
       continue
