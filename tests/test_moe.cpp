@@ -3,13 +3,16 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <random>
+#include <sstream>
 
 #include "data/packing.h"
 #include "gradcheck.h"
 #include "model/moe_router.h"
 #include "model/transformer.h"
 #include "tiny_model.h"
+#include "train/metrics.h"
 
 namespace ndt {
 namespace {
@@ -216,6 +219,26 @@ TEST(MoeConfig, RoundTripsThroughYaml) {
   EXPECT_EQ(again.value().model.moe.num_experts, 8);
   EXPECT_EQ(again.value().model.moe.top_k, 1);
   EXPECT_EQ(again.value().model.moe.router, "sigmoid");
+}
+
+TEST(MoeMetrics, ExpertLoadSvgBinsLongRuns) {
+  // 1000 steps of 2 layers x 4 experts: at most 200 columns, so 2 * 200 * 4 cells plus the background.
+  std::vector<int64_t> steps;
+  std::vector<std::vector<std::vector<double>>> loads(2);
+  for (int64_t s = 0; s < 1000; ++s) {
+    steps.push_back(s);
+    for (auto& l : loads) l.push_back({1.0, 2.0, 3.0, static_cast<double>(s % 5)});
+  }
+  const std::string path = ::testing::TempDir() + "/expert_load.svg";
+  ASSERT_TRUE(write_expert_load_svg(steps, {1, 3}, loads, path, "t"));
+  std::stringstream ss;
+  ss << std::ifstream(path).rdbuf();
+  const std::string svg = ss.str();
+  size_t rects = 0;
+  for (size_t at = svg.find("<rect"); at != std::string::npos; at = svg.find("<rect", at + 1)) ++rects;
+  EXPECT_EQ(rects, 1u + 2u * 200u * 4u);
+  EXPECT_NE(svg.find("layer 3 (rows: experts 0..3; columns: steps, 5 per column)"), std::string::npos);
+  EXPECT_FALSE(write_expert_load_svg(steps, {1}, loads, path, "t"));  // one series per layer
 }
 
 }  // namespace

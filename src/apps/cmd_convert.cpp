@@ -1,4 +1,4 @@
-// ndtrain convert: export a run's weights to a Hugging Face Llama directory (config.json +
+// ndtrain convert: export a run's weights to a Hugging Face Llama or Mixtral (MoE) directory (config.json +
 // model.safetensors), or import one into an ndtrain run directory (config.yaml + model.safetensors).
 #include <algorithm>
 #include <cstdio>
@@ -13,8 +13,8 @@
 namespace ndt::app {
 
 Runner add_convert(CLI::App& app) {
-  auto* cmd = app.add_subcommand("convert",
-                                 "Convert weights between ndtrain runs and Hugging Face Llama directories");
+  auto* cmd = app.add_subcommand(
+      "convert", "Convert weights between ndtrain runs and Hugging Face Llama / Mixtral directories");
   struct Opts {
     std::string to_hf, from_hf, run_dir;
   };

@@ -16,9 +16,9 @@ Runner add_train(CLI::App& app) {
   auto trace = std::make_shared<std::string>();
   auto resume = std::make_shared<std::string>();
   auto init_hf = std::make_shared<std::string>();
-  cmd->add_option(
-      "--init-hf", *init_hf,
-      "Fine-tune from a Hugging Face Llama directory (its config.json replaces the model section)");
+  cmd->add_option("--init-hf", *init_hf,
+                  "Fine-tune from a Hugging Face Llama or Mixtral directory (its config.json replaces the "
+                  "model section)");
   auto init = std::make_shared<std::string>();
   cmd->add_option("--init", *init,
                   "Start from these weights: a model.safetensors of full tensors named as ndtrain names them "

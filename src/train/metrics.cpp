@@ -313,7 +313,10 @@ Status write_expert_load_svg(const std::vector<int64_t>& steps, const std::vecto
                              const std::vector<std::vector<std::vector<double>>>& loads,
                              const std::string& path, const std::string& title) {
   if (layers.size() != loads.size()) return Status::error("expert load plot: one load series per layer");
-  const size_t S = steps.size();
+  // At most kCols columns: consecutive steps are summed into bins (a long run stays a small file).
+  constexpr size_t kCols = 200;
+  const size_t bin = std::max<size_t>(1, (steps.size() + kCols - 1) / kCols);
+  const size_t S = (steps.size() + bin - 1) / bin;
   const size_t E = loads.empty() || loads[0].empty() ? 0 : loads[0][0].size();
   constexpr double W = 800, ML = 72, MR = 24, MT = 44, band = 12, gap = 28;
   const double cell_w = S ? (W - ML - MR) / static_cast<double>(S) : 1.0;
@@ -326,10 +329,13 @@ Status write_expert_load_svg(const std::vector<int64_t>& steps, const std::vecto
       W, H, W / 2, title);
   double y0 = MT;
   for (size_t i = 0; i < layers.size(); ++i) {
-    o << fmt::format("<text x=\"{}\" y=\"{}\">layer {} (rows: experts 0..{}; columns: steps)</text>\n", ML,
-                     y0 - 4, layers[i], E > 0 ? E - 1 : 0);
-    for (size_t s = 0; s < S && s < loads[i].size(); ++s) {
-      const std::vector<double>& l = loads[i][s];
+    o << fmt::format(
+        "<text x=\"{}\" y=\"{}\">layer {} (rows: experts 0..{}; columns: steps, {} per column)</text>\n", ML,
+        y0 - 4, layers[i], E > 0 ? E - 1 : 0, bin);
+    for (size_t s = 0; s < S; ++s) {
+      std::vector<double> l(E, 0.0);
+      for (size_t j = s * bin; j < std::min((s + 1) * bin, loads[i].size()); ++j)
+        for (size_t e = 0; e < E && e < loads[i][j].size(); ++e) l[e] += loads[i][j][e];
       double sum = 0;
       for (double v : l) sum += v;
       for (size_t e = 0; e < l.size(); ++e) {
