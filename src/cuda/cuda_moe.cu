@@ -68,67 +68,8 @@ __global__ void gate_grad_kernel(float* dgates, const E* dout, const E* y, const
 }
 
 constexpr int kThreads = 256;
-constexpr int kMaxExperts = 256;
-
-// The math of model/moe_router.cpp router_backward, one token per thread, in double like the CPU twin.
-__global__ void router_backward_kernel(float* dlogits, const float* logits, const float* score,
-                                       const int32_t* choice, const float* gate, const float* dgate,
-                                       const float* dP, const float* dz, int64_t N, int64_t E, int64_t k,
-                                       bool sigmoid, bool renorm) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (t >= N) return;
-  double ds[kMaxExperts];
-  const float* s = score + t * E;
-  for (int64_t e = 0; e < E; ++e) ds[e] = 0.0;
-  double raw_sum = 0, dot = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    raw_sum += s[choice[t * k + j]];
-    dot += static_cast<double>(dgate[t * k + j]) * gate[t * k + j];
-  }
-  for (int64_t j = 0; j < k; ++j) {
-    const double dg = dgate[t * k + j];
-    ds[choice[t * k + j]] += renorm ? (dg - dot) / raw_sum : dg;
-  }
-  if (dP) {
-    const float* dp = dP + t * E;
-    if (sigmoid) {
-      double sum = 0, pdot = 0;
-      for (int64_t e = 0; e < E; ++e) sum += s[e];
-      for (int64_t e = 0; e < E; ++e) pdot += static_cast<double>(dp[e]) * s[e] / sum;
-      for (int64_t e = 0; e < E; ++e) ds[e] += (dp[e] - pdot) / sum;
-    } else {
-      for (int64_t e = 0; e < E; ++e) ds[e] += dp[e];
-    }
-  }
-  float* dl = dlogits + t * E;
-  if (sigmoid) {
-    for (int64_t e = 0; e < E; ++e) dl[e] = static_cast<float>(ds[e] * s[e] * (1.0 - s[e]));
-  } else {
-    double pdot = 0;
-    for (int64_t e = 0; e < E; ++e) pdot += ds[e] * s[e];
-    for (int64_t e = 0; e < E; ++e) dl[e] = static_cast<float>(s[e] * (ds[e] - pdot));
-  }
-  if (dz && dz[t] != 0.0f) {
-    const float* l = logits + t * E;
-    float mx = l[0];
-    for (int64_t e = 1; e < E; ++e) mx = fmaxf(mx, l[e]);
-    double sum = 0;
-    for (int64_t e = 0; e < E; ++e) sum += exp(static_cast<double>(l[e] - mx));
-    for (int64_t e = 0; e < E; ++e)
-      dl[e] += static_cast<float>(dz[t] * exp(static_cast<double>(l[e] - mx)) / sum);
-  }
-}
 
 }  // namespace
-
-void moe_router_backward(float* dlogits, const float* logits, const float* score, const int32_t* choice,
-                         const float* gate, const float* dgate, const float* dP, const float* dz, int64_t N,
-                         int64_t E, int64_t k, bool sigmoid, bool renormalize, cudaStream_t stream) {
-  if (N == 0) return;
-  const int threads = 128;
-  router_backward_kernel<<<static_cast<unsigned>((N + threads - 1) / threads), threads, 0, stream>>>(
-      dlogits, logits, score, choice, gate, dgate, dP, dz, N, E, k, sigmoid, renormalize);
-}
 
 template <typename E>
 void moe_permute(E* out, const E* x, const int32_t* src, const float* scale, int64_t R, int64_t C,

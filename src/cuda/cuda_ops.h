@@ -183,11 +183,4 @@ template <typename E>
 void moe_gate_grad(float* dgates, const E* dout, const E* y, const int32_t* pos, int64_t N, int64_t k, int64_t C,
                    cudaStream_t stream = 0);
 
-// MoE router backward (CPU twin: model/moe_router.h router_backward; dgate must be 0 for dropped slots):
-// dlogits (N, E) from logits and scores (N, E), the chosen experts and gates (N * k), dP (N, E) / dz (N)
-// or null. One thread per token; E <= 256.
-void moe_router_backward(float* dlogits, const float* logits, const float* score, const int32_t* choice,
-                         const float* gate, const float* dgate, const float* dP, const float* dz, int64_t N, int64_t E,
-                         int64_t k, bool sigmoid, bool renormalize, cudaStream_t stream = 0);
-
 }  // namespace ndt::cuda

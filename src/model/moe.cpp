@@ -15,6 +15,12 @@ Tensor as_f32(const Tensor& x) {
   return f;
 }
 
+// Host vector -> tensor on `dev` (the ops upload host metadata themselves; f32 data used in matmuls moves).
+Tensor on_device(const std::vector<float>& v, Shape shape, Device dev) {
+  Tensor h = Tensor::from_vector(v, std::move(shape));
+  return dev == Device::CPU ? h : h.to(dev);
+}
+
 }  // namespace
 
 MoeLayer::MoeLayer(const ModelConfig& cfg, const std::string& prefix, ParamStore& ps, EpHooks* ep)
@@ -128,7 +134,6 @@ Tensor MoeLayer::forward(const Microbatch& mb, int64_t tok0, const Tensor& x, Mo
   Tensor logits = Tensor::empty({N, E_}, DType::F32, dev);
   if (N > 0) ops::linear_forward(logits, a.xf, router_->value, nullptr);
   a.logits = logits.to_vector<float>();
-  if (dev != Device::CPU) a.logits_dev = logits;
   const std::vector<float> bias = bias_ ? bias_->value.to_vector<float>() : std::vector<float>();
   a.routing = route(a.logits.data(), bias_ ? bias.data() : nullptr, N, spec_);
   balance_terms(mb, tok0, a);
@@ -226,10 +231,10 @@ void MoeLayer::expert_backward(int64_t e, int64_t row0, int64_t n, MoeActs& a, c
 Tensor MoeLayer::backward(const Tensor& dy, MoeActs& a) {
   const int64_t N = dy.size(0);
   const Device dev = dy.device();
-  // Gates: dg_tj = dy_t . y_tj; expert rows: dy_t * g_tj. On a GPU the router backward stays there too
-  // (no host synchronisation in backward).
+  // Gates: dg_tj = dy_t . y_tj; expert rows: dy_t * g_tj.
   Tensor dgates = Tensor::empty({N * k_}, DType::F32, dev);
   ops::moe_gate_grad(dgates, dy, a.yp, a.slot_pos, k_);
+  const std::vector<float> dg = dgates.to_vector<float>();
   const int64_t R = a.row_token.numel();
   Tensor dyp = Tensor::empty({R, C_}, dy.dtype(), dev);
   ops::moe_permute(dyp, dy, a.row_token, &a.row_gate);
@@ -244,22 +249,11 @@ Tensor MoeLayer::backward(const Tensor& dy, MoeActs& a) {
   Tensor dx = Tensor::empty({N, C_}, dy.dtype(), dev);
   ops::moe_unpermute(dx, dxp, a.slot_pos, nullptr, k_, /*accumulate=*/false);
   // Router: gates, balancing probabilities and z-loss -> logits -> router weight and input.
-  Tensor dl;
-  if (dev == Device::CPU) {
-    dl = Tensor::empty({N, E_});
-    router_backward(dl.f32(), a.routing, spec_, a.logits.data(), dgates.f32(),
-                    a.dP.empty() ? nullptr : a.dP.data(), a.dz.empty() ? nullptr : a.dz.data());
-  } else if (N > 0) {
-    dl = Tensor::empty({N, E_}, DType::F32, dev);
-    const Tensor score = Tensor::from_vector(a.routing.score, {N, E_});
-    const Tensor choice = Tensor::from_vector(a.routing.choice, {N * k_});
-    const Tensor gate = Tensor::from_vector(a.routing.gate, {N * k_});
-    const Tensor dP = a.dP.empty() ? Tensor() : Tensor::from_vector(a.dP, {N, E_});
-    const Tensor dz = a.dz.empty() ? Tensor() : Tensor::from_vector(a.dz, {N});
-    ops::moe_router_backward(dl, a.logits_dev, score, choice, gate, dgates, a.dP.empty() ? nullptr : &dP,
-                             a.dz.empty() ? nullptr : &dz, k_, spec_.sigmoid, spec_.renormalize);
-  }
+  std::vector<float> dlogits(static_cast<size_t>(N * E_));
+  router_backward(dlogits.data(), a.routing, spec_, a.logits.data(), dg.data(),
+                  a.dP.empty() ? nullptr : a.dP.data(), a.dz.empty() ? nullptr : a.dz.data());
   if (N > 0) {
+    const Tensor dl = on_device(dlogits, {N, E_}, dev);
     Tensor dxf = Tensor::empty({N, C_}, DType::F32, dev);
     ops::linear_backward(&dxf, router_->grad, nullptr, dl, a.xf, router_->value, /*accumulate_dinp=*/false);
     if (dx.dtype() == DType::F32) {

@@ -53,7 +53,6 @@ struct MoeActs {
   Tensor x;                    // (N, C) block input (the MLP norm's output)
   Tensor xf;                   // (N, C) f32 router input (x itself when x is f32)
   std::vector<float> logits;   // (N, E) router logits, host
-  Tensor logits_dev;           // (N, E) the same on the model's device (GPU router backward)
   Routing routing;             // host
   std::vector<float> dP, dz;   // (N, E), (N): aux / z-loss gradients wrt P and logsumexp (empty: none)
   Tensor slot_pos;             // (N * k) i32 host: row of each slot in the permuted buffer, -1 if dropped

@@ -617,17 +617,15 @@ namespace ndt::ops {
 void moe_permute(Tensor& out, const Tensor& x, const Tensor& src, const Tensor* scale) {
   const int64_t R = src.numel(), C = x.size(-1);
   require_shape(out, {R, C}, "moe_permute out");
-  NDT_CHECK(src.dtype() == DType::I32 && (!scale || scale->numel() == R),
-            "moe_permute: src i32 (R), scale (R)");
+  NDT_CHECK(src.dtype() == DType::I32 && (!scale || scale->numel() == R), "moe_permute: src i32 (R), scale (R)");
 #ifdef NDT_HAVE_CUDA
   if (on_cuda(x)) {
     if (R == 0) return;
     Tensor k1, k2;
     by_dtype(x, [&](auto tag_) {
       using E = typename decltype(tag_)::type;
-      cuda::moe_permute<E>(dp<E>(out, "moe_permute out"), dp<E>(x, "moe_permute x"),
-                           dev_meta<int32_t>(src, k1), scale ? dev_meta<float>(*scale, k2) : nullptr, R, C,
-                           st());
+      cuda::moe_permute<E>(dp<E>(out, "moe_permute out"), dp<E>(x, "moe_permute x"), dev_meta<int32_t>(src, k1),
+                           scale ? dev_meta<float>(*scale, k2) : nullptr, R, C, st());
     });
     return;
   }
@@ -647,16 +645,16 @@ void moe_unpermute(Tensor& out, const Tensor& y, const Tensor& pos, const Tensor
     Tensor k1, k2;
     by_dtype(out, [&](auto tag_) {
       using E = typename decltype(tag_)::type;
-      cuda::moe_unpermute<E>(dp<E>(out, "moe_unpermute out"),
-                             y.numel() ? dp<E>(y, "moe_unpermute y") : nullptr, dev_meta<int32_t>(pos, k1),
-                             gates ? dev_meta<float>(*gates, k2) : nullptr, N, k, C, accumulate, st());
+      cuda::moe_unpermute<E>(dp<E>(out, "moe_unpermute out"), y.numel() ? dp<E>(y, "moe_unpermute y") : nullptr,
+                             dev_meta<int32_t>(pos, k1), gates ? dev_meta<float>(*gates, k2) : nullptr, N, k, C,
+                             accumulate, st());
     });
     return;
   }
 #endif
   require_cpu(out, "moe_unpermute");
-  cpu::moe_unpermute(out.f32(), y.numel() ? y.f32() : nullptr, pos.i32(), gates ? gates->f32() : nullptr, N,
-                     k, C, accumulate);
+  cpu::moe_unpermute(out.f32(), y.numel() ? y.f32() : nullptr, pos.i32(), gates ? gates->f32() : nullptr, N, k, C,
+                     accumulate);
 }
 
 void moe_gate_grad(Tensor& dgates, const Tensor& dout, const Tensor& y, const Tensor& pos, int64_t k) {
@@ -670,35 +668,14 @@ void moe_gate_grad(Tensor& dgates, const Tensor& dout, const Tensor& y, const Te
     by_dtype(dout, [&](auto tag_) {
       using E = typename decltype(tag_)::type;
       cuda::moe_gate_grad<E>(dp<float>(dgates, "moe_gate_grad dgates"), dp<E>(dout, "moe_gate_grad dout"),
-                             y.numel() ? dp<E>(y, "moe_gate_grad y") : nullptr, dev_meta<int32_t>(pos, k1), N,
-                             k, C, st());
+                             y.numel() ? dp<E>(y, "moe_gate_grad y") : nullptr, dev_meta<int32_t>(pos, k1), N, k,
+                             C, st());
     });
     return;
   }
 #endif
   require_cpu(dout, "moe_gate_grad");
   cpu::moe_gate_grad(dgates.f32(), dout.f32(), y.numel() ? y.f32() : nullptr, pos.i32(), N, k, C);
-}
-
-void moe_router_backward(Tensor& dlogits, const Tensor& logits, const Tensor& score, const Tensor& choice,
-                         const Tensor& gate, const Tensor& dgates, const Tensor* dP, const Tensor* dz,
-                         int64_t k, bool sigmoid, bool renormalize) {
-  const int64_t N = dlogits.size(0), E = dlogits.size(1);
-  NDT_CHECK(E <= 256 && logits.numel() == N * E && score.numel() == N * E && choice.numel() == N * k &&
-                gate.numel() == N * k && dgates.numel() == N * k,
-            "moe_router_backward: shapes (N {}, E {} <= 256, k {})", N, E, k);
-#ifdef NDT_HAVE_CUDA
-  if (on_cuda(dlogits)) {
-    Tensor k1, k2, k3, k4, k5, k6;
-    cuda::moe_router_backward(dp<float>(dlogits, "router dlogits"), dev_meta<float>(logits, k1),
-                              dev_meta<float>(score, k2), dev_meta<int32_t>(choice, k3),
-                              dev_meta<float>(gate, k4), dp<float>(dgates, "router dgates"),
-                              dP ? dev_meta<float>(*dP, k5) : nullptr,
-                              dz ? dev_meta<float>(*dz, k6) : nullptr, N, E, k, sigmoid, renormalize, st());
-    return;
-  }
-#endif
-  NDT_FAIL("moe_router_backward: device op (the CPU twin is model/moe_router.h router_backward)");
 }
 
 }  // namespace ndt::ops

@@ -127,10 +127,4 @@ void moe_unpermute(Tensor& out, const Tensor& y, const Tensor& pos, const Tensor
                    bool accumulate);
 // dgates(N*k) f32 = dot(dout[t], y[pos[t*k + j]]) (0 where pos < 0), on dout's device.
 void moe_gate_grad(Tensor& dgates, const Tensor& dout, const Tensor& y, const Tensor& pos, int64_t k);
-// Router backward on the device (the CPU twin is model/moe_router.h router_backward, which CPU callers use):
-// dlogits (N, E) f32 on CUDA; logits (N, E) f32; score (N, E), choice (N*k) i32, gate (N*k) f32, dP (N, E)
-// and dz (N) may be host tensors (uploaded); dgates (N*k) f32 on CUDA, 0 for dropped slots. E <= 256.
-void moe_router_backward(Tensor& dlogits, const Tensor& logits, const Tensor& score, const Tensor& choice,
-                         const Tensor& gate, const Tensor& dgates, const Tensor* dP, const Tensor* dz, int64_t k,
-                         bool sigmoid, bool renormalize);
 }  // namespace ndt::ops

@@ -609,10 +609,6 @@ Status validate_config(const Config& c) {
     if (e.first_dense >= m.n_layers)
       return errf("model.moe.first_dense ({}) leaves no MoE layer in model.n_layers = {}", e.first_dense,
                   m.n_layers);
-    if (t.device == "cuda" && e.num_experts > 256)
-      return errf(
-          "model.moe.num_experts ({}) must be <= 256 on train.device cuda (the router backward kernel)",
-          e.num_experts);
     if (e.num_experts % p.ep != 0)
       return errf("model.moe.num_experts ({}) must be divisible by parallel.ep ({})", e.num_experts, p.ep);
   } else if (p.ep > 1) {

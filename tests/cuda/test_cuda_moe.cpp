@@ -11,7 +11,6 @@
 
 #include "gpu_test.h"
 #include "model/moe.h"
-#include "model/moe_router.h"
 #include "ops/ops.h"
 
 namespace ndt {
@@ -104,31 +103,6 @@ TEST(CudaMoe, RowMovementF32) {
 TEST(CudaMoe, RowMovementBf16) {
   NDT_REQUIRE_GPU();
   row_movement(DType::BF16);
-}
-
-// The device router backward against its CPU twin: both routers, with and without renormalisation, with
-// capacity-dropped slots (their gate gradient is 0, as moe_gate_grad writes it), aux and z terms.
-TEST(CudaMoe, RouterBackwardMatchesCpu) {
-  NDT_REQUIRE_GPU();
-  std::mt19937 rng(9);
-  const int64_t N = 300, E = 16, k = 2;
-  for (bool sigmoid : {false, true})
-    for (bool renorm : {false, true}) {
-      RouterSpec spec{E, k, sigmoid, renorm, 0.6};
-      const Tensor logits = rand_tensor({N, E}, rng), dP = rand_tensor({N, E}, rng),
-                   dz = rand_tensor({N}, rng);
-      Tensor dg = rand_tensor({N * k}, rng);
-      const Routing r = route(logits.f32(), nullptr, N, spec);
-      for (int64_t i = 0; i < N * k; ++i)
-        if (!r.kept[static_cast<size_t>(i)]) dg.f32()[i] = 0.0f;
-      Tensor ref = Tensor::empty({N, E});
-      router_backward(ref.f32(), r, spec, logits.f32(), dg.f32(), dP.f32(), dz.f32());
-      Tensor got = Tensor::empty({N, E}, DType::F32, Device::CUDA);
-      ops::moe_router_backward(got, logits.to(Device::CUDA), Tensor::from_vector(r.score, {N, E}),
-                               Tensor::from_vector(r.choice, {N * k}), Tensor::from_vector(r.gate, {N * k}),
-                               dg.to(Device::CUDA), &dP, &dz, k, sigmoid, renorm);
-      expect_close(sigmoid ? "router backward (sigmoid)" : "router backward (softmax)", got, ref, 1e-5);
-    }
 }
 
 // One MoE layer (llama experts, top-2, aux and z losses) forward + backward on the GPU in fp32 against the
