@@ -163,6 +163,11 @@ Tensor MoeLayer::forward(const Microbatch& mb, int64_t tok0, const Tensor& x, Mo
     a.row_token.i32()[r] = static_cast<int32_t>(i / k_);
     a.row_gate.f32()[r] = a.routing.gate[static_cast<size_t>(i)];
   }
+  if (dev != Device::CPU) {
+    // Uploaded once, right after the logits' copy (the stream is idle then); forward and backward ops
+    // then read them on the device instead of each uploading them behind queued kernels.
+    for (Tensor* t : {&a.slot_pos, &a.gates, &a.row_token, &a.row_gate}) *t = t->to(dev);
+  }
   Tensor xp = Tensor::empty({R, C_}, x.dtype(), dev);
   ops::moe_permute(xp, x, a.row_token, nullptr);
   a.plan = ep_->plan(counts);
