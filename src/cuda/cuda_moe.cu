@@ -1,27 +1,14 @@
 // MoE row movement on the device: permute (gather rows, optionally scaled), unpermute (weighted sum of each
 // token's k expert rows, in slot order) and the gate gradient (one dot product per slot). One block per
 // output row; fp32 arithmetic; no atomics, so results are deterministic and match the CPU twin's order.
+#include "cuda/cuda_kernel_utils.cuh"
 #include "cuda/cuda_ops.h"
 
 namespace ndt::cuda {
 namespace {
 
-template <typename E>
-__device__ __forceinline__ float to_f(E v) {
-  return static_cast<float>(v);
-}
-template <>
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <typename E>
-__device__ __forceinline__ E from_f(float v) {
-  return static_cast<E>(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f(float v) {
-  return __float2bfloat16(v);
-}
+using detail::from_f;
+using detail::to_f;
 
 template <typename E>
 __global__ void permute_kernel(E* out, const E* x, const int32_t* src, const float* scale, int64_t C) {
@@ -56,13 +43,13 @@ __global__ void gate_grad_kernel(float* dgates, const E* dout, const E* y, const
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
       acc += to_f(dout[t * C + c]) * to_f(y[static_cast<int64_t>(p) * C + c]);
   // Block reduction in a fixed order (warp shuffles, then the warps' sums in order).
-  __shared__ float warp_sum[32];
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
-  if ((threadIdx.x & 31) == 0) warp_sum[threadIdx.x >> 5] = acc;
+  __shared__ float warp_sums[32];
+  acc = detail::warp_sum(acc);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
   __syncthreads();
   if (threadIdx.x == 0) {
     float s = 0.0f;
-    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += warp_sum[w];
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += warp_sums[w];
     dgates[slot] = s;
   }
 }

@@ -74,12 +74,19 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, P
     // Per-sequence statistics are summed over the ranks holding one sequence's tokens: CP, and TP under SP.
     moe_[l]->set_seq_reduce([this](float* buf, int64_t n) {
       if (!cp_ && !tp_->sequence_parallel()) return;
-      Tensor t = Tensor::from_vector(std::vector<float>(buf, buf + n), {n});
-      if (ps_->device() != Device::CPU) t = t.to(ps_->device());
-      if (cp_) cp_->all_reduce_sum(t.f32(), n);
-      if (tp_->sequence_parallel()) tp_->all_reduce_sum(t.f32(), n);
-      const std::vector<float> r = t.to_vector<float>();
-      std::copy(r.begin(), r.end(), buf);
+      // The hooks reduce buffers on the model's device: on a GPU the host counts travel there and back.
+      Tensor t;
+      float* b = buf;
+      if (ps_->device() != Device::CPU) {
+        t = Tensor::from_vector(std::vector<float>(buf, buf + n), {n}).to(ps_->device());
+        b = t.f32();
+      }
+      if (cp_) cp_->all_reduce_sum(b, n);
+      if (tp_->sequence_parallel()) tp_->all_reduce_sum(b, n);
+      if (t.defined()) {
+        const std::vector<float> r = t.to_vector<float>();
+        std::copy(r.begin(), r.end(), buf);
+      }
     });
     if (const int64_t Fs = cfg_.moe.shared_experts * cfg_.expert_ffn_dim(); Fs > 0) {
       NDT_CHECK(Fs % tps == 0, "tp={} must divide the shared experts' width {}", tps, Fs);

@@ -13,13 +13,15 @@ MoeStepReport finish_moe_step(const Config& cfg, const std::vector<std::pair<int
     if (cfg.model.is_moe_layer(l)) rep.layers.push_back(l);
   // One row per MoE layer of the model: E loads, aux, z, dropped. Each layer lives on one pipeline stage.
   const int64_t W = E + 3, n = static_cast<int64_t>(rep.layers.size());
+  auto index_of = [&](int64_t l) {
+    return static_cast<size_t>(std::find(rep.layers.begin(), rep.layers.end(), l) - rep.layers.begin());
+  };
   std::vector<double> buf(static_cast<size_t>(n * W), 0.0);
   // Without sequence parallelism every TP rank routes the same tokens: count them once.
   const bool count_here = cfg.parallel.sequence_parallel || tp.rank() == 0;
   for (const auto& [l, m] : layers) {
     if (!count_here) break;
-    const auto row =
-        static_cast<size_t>(std::find(rep.layers.begin(), rep.layers.end(), l) - rep.layers.begin()) * W;
+    const auto row = index_of(l) * W;
     const MoeStats& s = m->stats();
     for (int64_t e = 0; e < E; ++e) buf[row + static_cast<size_t>(e)] = s.load[static_cast<size_t>(e)];
     buf[row + static_cast<size_t>(E)] = s.aux;
@@ -46,8 +48,7 @@ MoeStepReport finish_moe_step(const Config& cfg, const std::vector<std::pair<int
   }
   rep.dropped = slots > 0 ? dropped / slots : 0.0;
   for (const auto& [l, m] : layers) {
-    const auto i =
-        static_cast<size_t>(std::find(rep.layers.begin(), rep.layers.end(), l) - rep.layers.begin());
+    const auto i = index_of(l);
     m->update_expert_bias(rep.load[i]);
   }
   return rep;

@@ -147,8 +147,8 @@ StepStats Trainer::train_step(int64_t step) {
   st.grad_norm = opt_->reduce_and_clip(cfg_.train.grad_clip);
   st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);
   opt_->step(st.lr);
-  if (!engine_->moe_layers().empty())
-    st.moe = finish_moe_step(cfg_, engine_->moe_layers(), *c_.grad, *c_.tp, *c_.pp);
+  if (const auto moe = engine_->moe_layers(); !moe.empty())
+    st.moe = finish_moe_step(cfg_, moe, *c_.grad, *c_.tp, *c_.pp);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 #ifdef NDT_HAVE_CUDA
   if (engine_->params().device() == Device::CUDA) {

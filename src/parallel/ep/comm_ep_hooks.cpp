@@ -56,8 +56,7 @@ EpPlan CommEpHooks::plan(const std::vector<int64_t>& counts) {
 
 Tensor CommEpHooks::dispatch(const Tensor& x, const EpPlan& p) {
   const int64_t C = x.size(1), ep = size(), El = static_cast<int64_t>(p.local_counts.size());
-  int64_t n = 0;
-  for (int64_t v : p.recv_rows) n += v;
+  const int64_t n = sum(p.recv_rows);
   Tensor recv = Tensor::empty({n, C}, x.dtype(), x.device());
   data_.all_to_all_v(x.data_ptr(), times(p.send_rows, C), times(offsets_of(p.send_rows), C), recv.data_ptr(),
                      times(p.recv_rows, C), times(offsets_of(p.recv_rows), C), x.dtype());
@@ -75,8 +74,7 @@ Tensor CommEpHooks::combine(const Tensor& y, const EpPlan& p) {
       inverse[static_cast<size_t>(order[i])] = static_cast<int64_t>(i);
     src_major = ops::gather_rows(y, inverse);
   }
-  int64_t n = 0;
-  for (int64_t v : p.send_rows) n += v;
+  const int64_t n = sum(p.send_rows);
   Tensor out = Tensor::empty({n, C}, y.dtype(), y.device());
   data_.all_to_all_v(src_major.data_ptr(), times(p.recv_rows, C), times(offsets_of(p.recv_rows), C),
                      out.data_ptr(), times(p.send_rows, C), times(offsets_of(p.send_rows), C), y.dtype());
