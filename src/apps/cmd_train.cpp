@@ -1,6 +1,9 @@
+#include <filesystem>
+
 #include "apps/commands.h"
 #include "apps/setup.h"
 #include "parallel/layout.h"
+#include "posttrain/run.h"
 #include "train/hf_interop.h"
 #include "train/safetensors.h"
 #include "train/trainer.h"
@@ -42,11 +45,18 @@ Runner add_train(CLI::App& app) {
     Trainer trainer(s.cfg, layout.value()->comms(), *s.tok, *s.train, s.val.get());
     if (!init_path->empty()) {
       NDT_CHECK(init.empty(), "--init and --init-hf both name initial weights: give one");
-      auto file = open_safetensors(*init_path);
-      agree_or_throw(file.status(), world);
-      for (const auto& name : file.value().names()) init.emplace_back(name, file.value().read(name));
+      init = read_weights(*init_path, world);
+    }
+    if (!s.cfg.posttrain.init.empty()) {  // post-training starts from a run's weights (e.g. its SFT run)
+      NDT_CHECK(init.empty(), "posttrain.init and --init/--init-hf both name initial weights: give one");
+      init = read_weights(s.cfg.posttrain.init, world);
     }
     if (!init.empty()) trainer.load_weights(init);
+    if (s.cfg.posttrain.algo != "sft") {
+      NDT_CHECK(resume->empty() && trace->empty(), "--resume and --trace apply to posttrain.algo sft only");
+      run_posttrain(trainer, *s.tok, world);
+      return 0;
+    }
     if (!trace->empty()) trainer.set_trace(*trace);
     if (!resume->empty()) trainer.resume(*resume);
     trainer.run();

@@ -2,12 +2,16 @@
 // and compare per-step loss and gradient norm and the final (gathered) weights.
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 
 #include "apps/commands.h"
 #include "apps/setup.h"
 #include "parallel/layout.h"
 #include "parallel/tp/gather_params.h"
+#include "posttrain/grpo.h"
+#include "posttrain/run.h"
 #include "train/checkpoint.h"
+#include "train/safetensors.h"
 #include "train/trainer.h"
 
 namespace ndt::app {
@@ -37,6 +41,7 @@ Runner add_verify(CLI::App& app) {
     std::string resume;
     bool reference_unpacked = false;
     double tol_logprob = 1e-4;
+    double tol_gen_kl = 1e-6;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("-c,--config", o->config, "YAML config file")->required();
@@ -50,6 +55,8 @@ Runner add_verify(CLI::App& app) {
                   "one straight single-process run from step 0");
   cmd->add_option("--tol-logprob", o->tol_logprob,
                   "Max absolute difference of per-token logprobs and top-k logits after the compared steps");
+  cmd->add_option("--tol-gen-kl", o->tol_gen_kl,
+                  "Post-training: max gen_kl_error of the layout per step (generator vs training policy)");
   cmd->add_flag(
       "--reference-unpacked", o->reference_unpacked,
       "Run the reference without packing (each sample padded to seq_len); default: the same packing, "
@@ -81,7 +88,29 @@ Runner add_verify(CLI::App& app) {
     // that only the parallel reductions differ.
     ref.set_pack_count_multiple(par.pack_count_multiple());
     if (!o->resume.empty()) par.resume(o->resume);
+    if (!s.cfg.posttrain.init.empty()) {  // both start from the same weights (e.g. an SFT run's)
+      const auto init = read_weights(s.cfg.posttrain.init, world);
+      ref.load_weights(init);
+      par.load_weights(init);
+    }
+    // Post-training: DPO/GRPO steps (rollouts from each run's own generator: the reference generates in
+    // one process, the layout under its generation layout), compared like training steps plus the reward
+    // and the generator/trainer agreement.
+    const bool posttrain = s.cfg.posttrain.algo != "sft";
+    NDT_CHECK(!posttrain || o->resume.empty(), "verify --resume compares training runs only");
+    std::unique_ptr<Communicator> self = make_self_communicator();
+    std::unique_ptr<PosttrainSession> ref_pt, par_pt;
+    if (posttrain) {
+      ref_pt = std::make_unique<PosttrainSession>(ref, *s.tok, *self);
+      par_pt = std::make_unique<PosttrainSession>(par, *s.tok, world);
+    }
+    std::vector<std::pair<nlohmann::ordered_json, nlohmann::ordered_json>> pt_metrics;
     for (int64_t i = 0; i < first + o->steps; ++i) {
+      if (posttrain) {
+        const PosttrainStep a = ref_pt->step(i), b = par_pt->step(i);
+        pt_metrics.emplace_back(a.metrics, b.metrics);
+        continue;
+      }
       ref.train_step(i);
       if (i >= first) par.train_step(i);
     }
@@ -101,7 +130,10 @@ Runner add_verify(CLI::App& app) {
       std::printf("%5s %14s %14s %10s %12s %12s %10s\n", "step", "loss(ref)", "loss", "rel", "gnorm(ref)",
                   "gnorm", "rel");
     }
-    for (int64_t i = 0; i < o->steps; ++i) {
+    NDT_CHECK(ref.history().size() == par.history().size() + static_cast<size_t>(first),
+              "the layout took {} optimizer steps, the reference {}", par.history().size(),
+              ref.history().size() - static_cast<size_t>(first));
+    for (int64_t i = 0; i < static_cast<int64_t>(par.history().size()); ++i) {
       const StepStats &a = ref.history()[static_cast<size_t>(first + i)],
                       &b = par.history()[static_cast<size_t>(i)];
       const double rl = rel(b.loss, a.loss), rg = rel(b.grad_norm, a.grad_norm);
@@ -110,6 +142,25 @@ Runner add_verify(CLI::App& app) {
         std::printf("%5lld %14.8f %14.8f %10.2e %12.6f %12.6f %10.2e%s\n", static_cast<long long>(first + i),
                     a.loss, b.loss, rl, a.grad_norm, b.grad_norm, rg,
                     (rl <= o->tol_loss && rg <= o->tol_loss) ? "" : "  <-- FAIL");
+    }
+    if (posttrain) {
+      // Rollout rewards equal (same samples) and the generator agreeing with the trainer as in one process.
+      const char* keys[] = {"reward_mean", "gen_kl_error", "reward_accuracy"};
+      for (size_t i = 0; i < pt_metrics.size(); ++i) {
+        const auto& [a, b] = pt_metrics[i];
+        std::string line = fmt::format("{:5} ", i);
+        for (const char* k : keys) {
+          if (!a.contains(k)) continue;
+          const double va = a[k].get<double>(), vb = b.value(k, -1.0);
+          // gen_kl_error: the CPU's generator and trainer do the same arithmetic (<= 1e-6, issue 14).
+          const bool good = std::string(k) == "gen_kl_error"
+                                ? vb <= o->tol_gen_kl
+                                : std::abs(va - vb) <= o->tol_loss * std::max(1.0, std::abs(va));
+          ok = ok && good;
+          line += fmt::format(" {} {:.6g} (ref {:.6g}){}", k, vb, va, good ? "" : " <-- FAIL");
+        }
+        if (logger) std::printf("%s\n", line.c_str());
+      }
     }
     double worst = 0;
     std::string worst_name;

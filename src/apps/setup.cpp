@@ -1,7 +1,10 @@
 #include "apps/setup.h"
 
+#include <filesystem>
+
 #include "data/make_dataset.h"
 #include "parallel/layout.h"
+#include "train/safetensors.h"
 
 namespace ndt::app {
 
@@ -30,13 +33,23 @@ RunSetup load_run(Communicator& world, const std::string& config_path,
   auto train = make_dataset(s.cfg.data, *s.tok, false);
   agree_or_throw(train.status(), world);
   s.train = std::move(train).value();
-  const bool synthetic = s.cfg.data.task == "addition" || s.cfg.data.task == "lm";
+  const bool synthetic = s.cfg.data.task == "addition" || s.cfg.data.task == "sort" || s.cfg.data.task == "lm";
   if (synthetic || !s.cfg.data.val_path.empty()) {
     auto val = make_dataset(s.cfg.data, *s.tok, true);
     agree_or_throw(val.status(), world);
     s.val = std::move(val).value();
   }
   return s;
+}
+
+std::vector<std::pair<std::string, Tensor>> read_weights(const std::string& path, Communicator& world) {
+  std::filesystem::path p(path);
+  if (std::filesystem::is_directory(p)) p /= "model.safetensors";
+  auto file = open_safetensors(p.string());
+  agree_or_throw(file.status(), world);
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& name : file.value().names()) out.emplace_back(name, file.value().read(name));
+  return out;
 }
 
 }  // namespace ndt::app

@@ -3,6 +3,7 @@
 // rank; failures are agreed over the world so that all ranks stop together with the same message.
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "data/dataset.h"
@@ -21,6 +22,10 @@ struct RunSetup {
 // Config, tokenizer, datasets, layout validation. Throws ndt::Error (same message on every rank).
 RunSetup load_run(Communicator& world, const std::string& config_path,
                   const std::vector<std::string>& overrides);
+
+// Full tensors of a safetensors file, or of <dir>/model.safetensors when `path` is a run directory
+// (initial weights: --init, posttrain.init). Errors agreed over the world.
+std::vector<std::pair<std::string, Tensor>> read_weights(const std::string& path, Communicator& world);
 
 // Turn a local status into a world-agreed one and throw it when it is an error.
 void agree_or_throw(const Status& local, Communicator& world);

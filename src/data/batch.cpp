@@ -47,6 +47,7 @@ Microbatch make_microbatch(const std::vector<Sample>& samples, int64_t seq_len, 
     }
     cu[b + 1] = static_cast<int32_t>(off + seq_len);
     mb.seq_real.push_back(static_cast<int32_t>(n));
+    mb.sample_ids.push_back(b);
   }
   mb.nseq = nseq;
   mb.max_seqlen = seq_len;

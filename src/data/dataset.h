@@ -49,6 +49,10 @@ struct Microbatch {
   // tokens, the rest padding (0 for a pad-only sequence). Layout-independent statistics (MoE load
   // balancing) count real tokens and sequences only, since padding depends on the layout.
   std::vector<int32_t> seq_real;
+  // Per sequence, the index of its sample in the list the microbatch was built from (-1: a pad-only
+  // sequence). Post-training losses find each row's per-sample side inputs through it; callers that
+  // build from a slice of a larger list may rewrite them to global indices.
+  std::vector<int64_t> sample_ids;
   int64_t num_real_tokens() const;
   int64_t num_real_seqs() const;
   int64_t num_tokens() const { return tokens.defined() ? tokens.numel() : 0; }

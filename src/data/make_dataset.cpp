@@ -16,6 +16,13 @@ Result<std::unique_ptr<Dataset>> make_dataset(const DataConfig& cfg, const Token
     return std::unique_ptr<Dataset>(
         std::make_unique<AdditionTask>(cfg.addition_digits, cfg.seed, tok, validation));
   }
+  if (cfg.task == "sort") {
+    if (cfg.addition_digits < 1 || cfg.addition_digits > 18)
+      return Status::error(fmt::format("data.addition_digits (the sort task's length knob) must be in 1..18 (got {})",
+                                       cfg.addition_digits));
+    return std::unique_ptr<Dataset>(
+        std::make_unique<SortTask>(sort_max_len(cfg.addition_digits), cfg.seed, tok, validation));
+  }
   if (cfg.task == "lm") {
     if (cfg.seq_len < 1) return Status::error(fmt::format("data.seq_len must be >= 1 (got {})", cfg.seq_len));
     return std::unique_ptr<Dataset>(
@@ -23,7 +30,8 @@ Result<std::unique_ptr<Dataset>> make_dataset(const DataConfig& cfg, const Token
   }
   if (cfg.task != "shards" && cfg.task != "sft")
     return Status::error(
-        fmt::format("data.task is '{}'; expected \"addition\", \"lm\", \"shards\" or \"sft\"", cfg.task));
+        fmt::format("data.task is '{}'; expected \"addition\", \"sort\", \"lm\", \"shards\" or \"sft\"",
+                    cfg.task));
   const std::string& path = validation ? cfg.val_path : cfg.path;
   if (path.empty())
     return Status::error(

@@ -9,8 +9,8 @@
 
 namespace ndt {
 
-// task "addition" | "lm": embedded synthetic generators; validation = true gives an independent stream
-//   (addition: the held-out eval split; lm: another Philox stream of the same seed).
+// task "addition" | "sort" | "lm": embedded synthetic generators; validation = true gives an independent
+//   stream (addition, sort: the held-out eval split; lm: another Philox stream of the same seed).
 // task "shards": cfg.path (validation: cfg.val_path), a .bin file or a directory of them.
 // task "sft": cfg.path (validation: cfg.val_path), a JSONL file.
 // For shards/sft with validation = true an empty val_path is an error. The tokenizer must outlive the

@@ -31,6 +31,7 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, cons
             "pack layout: stream multiple {} must be a multiple of the sequence multiple {}",
             layout.stream_multiple, layout.seq_multiple);
   std::vector<int32_t> tokens, targets, positions, cu{0}, seq_real;
+  std::vector<int64_t> sample_ids;
   std::vector<float> mask;
   int64_t max_len = 0, nloss = 0;
   // n inputs of `ids` (predicting ids[1..n]) then padding up to `padded` rows.
@@ -57,11 +58,13 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, cons
     int64_t n = static_cast<int64_t>(s.tokens.size()) - 1;
     if (layout.max_len >= 0) n = std::min(n, layout.max_len);
     push_seq(s.tokens, &s.loss_mask, n, packed_length(s, layout));
+    sample_ids.push_back(static_cast<int64_t>(b));
   }
   const int64_t rem = static_cast<int64_t>(tokens.size()) % layout.stream_multiple;
   if (rem != 0 || tokens.empty()) {
     const int64_t pad = tokens.empty() ? layout.stream_multiple : layout.stream_multiple - rem;
     push_seq({}, nullptr, 0, pad);
+    sample_ids.push_back(-1);
   }
 
   Microbatch mb;
@@ -75,6 +78,7 @@ Microbatch pack_samples(const std::vector<Sample>& samples, int32_t pad_id, cons
   mb.max_seqlen = max_len;
   mb.num_loss_tokens = nloss;
   mb.seq_real = std::move(seq_real);
+  mb.sample_ids = std::move(sample_ids);
   return mb;
 }
 

@@ -1,5 +1,7 @@
 #include "model/params.h"
 
+#include <cstring>
+
 #include "core/rng.h"
 #include "ops/ops.h"
 
@@ -22,6 +24,31 @@ int64_t slice_to_global_index(const Shape& local, const Shape& global, int shard
 
 int64_t Param::global_index(int64_t i) const {
   return slice_to_global_index(value.shape(), global_shape, shard_dim, shard_offset, i);
+}
+
+void copy_global_slices(ParamStore& store, const std::map<std::string, const Tensor*>& full,
+                        const std::string& what) {
+  for (auto& p : store.all()) {
+    auto it = full.find(p->name);
+    if (it == full.end()) NDT_FAIL("{} have no tensor '{}'", what, p->name);
+    const Tensor src = ops::to_host_f32(*it->second);
+    if (src.shape() != p->global_shape)
+      NDT_FAIL("{}: tensor '{}' has shape {}, the model expects {}", what, p->name, shape_str(src.shape()),
+               shape_str(p->global_shape));
+    NDT_CHECK(p->value.device() == Device::CPU, "copy_global_slices: '{}' is not on the host", p->name);
+    // The slice is a block along shard_dim: `outer` runs of `run` contiguous elements.
+    const Shape& l = p->value.shape();
+    const int sd = p->shard_dim < 0 ? 0 : p->shard_dim;
+    int64_t outer = 1, inner = 1;
+    for (int d = 0; d < sd; ++d) outer *= l[static_cast<size_t>(d)];
+    for (size_t d = static_cast<size_t>(sd) + 1; d < l.size(); ++d) inner *= l[d];
+    const int64_t run = l.empty() ? 1 : l[static_cast<size_t>(sd)] * inner;
+    const int64_t gdim = l.empty() ? 1 : p->global_shape[static_cast<size_t>(sd)];
+    const int64_t off = p->shard_dim < 0 ? 0 : p->shard_offset;
+    float* dst = p->value.f32();
+    for (int64_t o = 0; o < outer; ++o)
+      std::memcpy(dst + o * run, src.f32() + (o * gdim + off) * inner, static_cast<size_t>(run) * sizeof(float));
+  }
 }
 
 float init_value(uint64_t seed, const std::string& name, InitKind kind, float std, int64_t global_index) {

@@ -3,6 +3,7 @@
 // the global tensor it is a slice of. Initialization is a pure function of (seed, global name, global
 // element index), so every layout starts from identical weights with no communication.
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,6 +97,12 @@ class ParamStore {
 // Global flat index of element i of a slice with `local` shape taken at `offset` along shard_dim.
 int64_t slice_to_global_index(const Shape& local, const Shape& global, int shard_dim, int64_t offset,
                               int64_t i);
+
+// Fills every parameter's local slice (Param::value, host f32: on a device store run it inside
+// with_host_values) from the full tensor of the same name. Errors name `what` (e.g. "initial weights") and
+// the tensor when one is missing or its shape is not the parameter's global shape.
+void copy_global_slices(ParamStore& store, const std::map<std::string, const Tensor*>& full,
+                        const std::string& what);
 
 // The init value of element `global_index` of parameter `name`.
 float init_value(uint64_t seed, const std::string& name, InitKind kind, float std, int64_t global_index);

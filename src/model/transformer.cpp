@@ -157,7 +157,9 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   a.att = act({T, heads_local_, D});
   a.lse = stat({T, heads_local_});
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  if (cp_)
+  if (kv_)
+    kv_->attention_forward(l, mb, a.q, a.k, a.v, a.att, a.lse, scale);
+  else if (cp_)
     cp_->attention_forward(mb, a.q, a.k, a.v, a.att, a.lse, scale);
   else
     ops::attention_forward(a.att, a.lse, a.q, a.k, a.v, mb.cu_seqlens, scale);
@@ -345,13 +347,19 @@ double Transformer::loss_sum(const Microbatch& mb, const Activations& acts) cons
   return ops::masked_loss_sum(acts.logprob, mb.loss_mask);
 }
 
-Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_scale, Activations& acts) {
+Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_scale, Activations& acts,
+                             const Tensor* seed) {
   const int64_t T = mb.num_tokens(), C = cfg_.d_model;
   auto [tok0, Tl] = tp_->local_tokens(T);
   Tensor dx;
   if (stage_.has_head) {
     Tensor dloss = stat({T});
-    ops::fill_dloss(dloss, mb.loss_mask, loss_scale);
+    if (seed) {
+      NDT_CHECK(seed->numel() == T, "loss seed has {} rows, the microbatch {}", seed->numel(), T);
+      ops::fill_dloss(dloss, *seed, 1.0f);
+    } else {
+      ops::fill_dloss(dloss, mb.loss_mask, loss_scale);
+    }
     // The logits die here: their buffer becomes dlogits (saves a (T, V) tensor, the largest of the step).
     ops::xent_backward_inplace(acts.logits, acts.rowmax, acts.sumexp, mb.targets, dloss, vocab_start_);
     Tensor dlogits = acts.logits;

@@ -15,6 +15,7 @@
 #include "data/dataset.h"
 #include "model/cp_hooks.h"
 #include "model/ep_hooks.h"
+#include "model/kv_hooks.h"
 #include "model/moe.h"
 #include "model/params.h"
 #include "model/tp_hooks.h"
@@ -65,6 +66,9 @@ class Transformer {
   ParamStore& params() { return *ps_; }
   // Context parallelism: attention goes through `cp` (not owned; null = local attention).
   void set_cp(CpHooks* cp) { cp_ = cp; }
+  // Cached generation: attention goes through `kv` (not owned; null = none), which keeps the keys and
+  // values of earlier tokens; the microbatch then holds only new tokens at absolute positions.
+  void set_kv_cache(KvHooks* kv) { kv_ = kv; }
   // MoE: the step's normalisers and statistics switch (not owned; null = no aux/z gradient, no stats).
   void set_moe_context(MoeStepContext* ctx);
   // The MoE layers of this stage by global layer index.
@@ -93,7 +97,10 @@ class Transformer {
   // Device and precision come from the parameter store (ParamStore::to_device): activations are
   // allocated there in its compute dtype, statistics (norm rstd, lse, softmax pieces, logprob) in f32;
   // microbatch tensors stay on the host (the ops upload what they need).
-  Tensor backward(const Microbatch& mb, const Tensor& dy, float loss_scale, Activations& acts);
+  // dloss (last stage, optional): a host f32 (T) tensor of per-row seeds dL/d(-log p(target)) from a
+  // token loss (train/token_loss.h), used instead of loss_scale * loss_mask.
+  Tensor backward(const Microbatch& mb, const Tensor& dy, float loss_scale, Activations& acts,
+                  const Tensor* dloss = nullptr);
   // Greedy next token at the given token rows (global vocabulary ids, ties to the smallest id),
   // from acts.logits of the last forward (last stage).
   std::vector<int32_t> argmax_rows(const Activations& acts, const std::vector<int64_t>& rows) const;
@@ -127,6 +134,7 @@ class Transformer {
   TpHooks default_tp_;
   TpHooks* tp_;
   CpHooks* cp_ = nullptr;
+  KvHooks* kv_ = nullptr;
   bool recompute_ = false;
   std::function<void(int64_t)> layer_done_;
   ParamStore own_params_;

@@ -34,6 +34,38 @@ GridDivisibility div_of(const Config& c) {
 
 }  // namespace
 
+namespace {
+// Post-training batches are rollouts (prompts x samples) or pairs, split over DP in contiguous blocks.
+Status validate_posttrain_layout(const Config& cfg, int world_size, int64_t mbs, const std::string& layout) {
+  const PosttrainConfig& t = cfg.posttrain;
+  if (t.algo == "sft") return Status::ok();
+  if (world_size % t.gen_tp != 0)
+    return Status::error(
+        fmt::format("posttrain.gen_tp = {} does not divide the {} ranks", t.gen_tp, world_size));
+  const int64_t dp = cfg.parallel.dp;
+  if (t.algo == "dpo") {
+    if (t.pairs_per_step % dp != 0)
+      return Status::error(fmt::format("posttrain.pairs_per_step = {} is not divisible by dp = {} ({})",
+                                       t.pairs_per_step, dp, layout));
+    if (!cfg.data.packing && (2 * t.pairs_per_step / dp) % mbs != 0)
+      return Status::error(fmt::format(
+          "DPO: train.micro_batch = {} must divide the {} samples (chosen + rejected) per DP rank ({})", mbs,
+          2 * t.pairs_per_step / dp, layout));
+    if (!cfg.data.packing && mbs % 2 != 0)
+      return Status::error(fmt::format(
+          "DPO: train.micro_batch = {} must be even (a pair's chosen and rejected share a microbatch)", mbs));
+    return Status::ok();
+  }
+  const int64_t n = t.prompts_per_step * t.samples_per_prompt;
+  if (n < dp || (!cfg.data.packing && !t.dynamic_sampling && n % (dp * mbs) != 0))
+    return Status::error(fmt::format(
+        "GRPO: {} rollouts per step (posttrain.prompts_per_step x samples_per_prompt) must be a multiple of "
+        "dp x train.micro_batch = {} x {} ({})",
+        n, dp, mbs, layout));
+  return Status::ok();
+}
+}  // namespace
+
 Status validate_layout(const Config& cfg, int world_size) {
   const ParallelConfig& p = cfg.parallel;
   Status st = Grid::validate(world_size, spec_of(p), div_of(cfg));
@@ -59,6 +91,7 @@ Status validate_layout(const Config& cfg, int world_size) {
         fmt::format("parallel.virtual_stages={} needs pp > 1 ({})", p.virtual_stages, layout));
   const int64_t per_rank = cfg.train.global_batch / p.dp;
   const int64_t mbs = cfg.train.micro_batch > 0 ? cfg.train.micro_batch : per_rank;
+  if (Status pt = validate_posttrain_layout(cfg, world_size, mbs, layout); !pt) return pt;
   if (per_rank % mbs != 0)
     return Status::error(fmt::format("train.micro_batch={} does not divide the {} samples per DP rank ({})",
                                      mbs, per_rank, layout));

@@ -89,6 +89,7 @@ const std::vector<KeyDef>& schema() {
   auto d = [](auto D::*f) { return member(&Config::data, f); };
   auto t = [](auto T::*f) { return member(&Config::train, f); };
   auto p = [](auto P::*f) { return member(&Config::parallel, f); };
+  auto r = [](auto PosttrainConfig::*f) { return member(&Config::posttrain, f); };
   auto moe = [](auto MoeConfig::*f) -> std::function<FieldRef(Config&)> {
     return [f](Config& c) -> FieldRef { return &(c.model.moe.*f); };
   };
@@ -118,7 +119,7 @@ const std::vector<KeyDef>& schema() {
       float_key("model.moe.bias_update_rate", 0, kInf, moe(&MoeConfig::bias_update_rate)),
       float_key("model.moe.capacity_factor", 0, kInf, moe(&MoeConfig::capacity_factor)),
 
-      str_key("data.task", {"addition", "lm", "shards", "sft"}, d(&D::task)),
+      str_key("data.task", {"addition", "sort", "lm", "shards", "sft"}, d(&D::task)),
       str_key("data.path", {}, d(&D::path)),
       str_key("data.val_path", {}, d(&D::val_path)),
       str_key("data.tokenizer", {}, d(&D::tokenizer)),
@@ -166,6 +167,34 @@ const std::vector<KeyDef>& schema() {
       str_key("parallel.schedule", {"1f1b", "interleaved", "gpipe"}, p(&P::schedule)),
       str_key("parallel.cp_attention", {"ring", "allgather"}, p(&P::cp_attention)),
       str_key("parallel.stage_layers", {}, p(&P::stage_layers)),  // checked against the layout
+
+      str_key("posttrain.algo", {"sft", "dpo", "grpo"}, r(&PosttrainConfig::algo)),
+      str_key("posttrain.task", {"addition", "sort", "jsonl"}, r(&PosttrainConfig::task)),
+      str_key("posttrain.data_path", {}, r(&PosttrainConfig::data_path)),
+      str_key("posttrain.reward", {"exact_match", "contains", "numeric"}, r(&PosttrainConfig::reward)),
+      str_key("posttrain.init", {}, r(&PosttrainConfig::init)),
+      int_key("posttrain.eval_samples", 0, kInf, r(&PosttrainConfig::eval_samples)),
+      int_key("posttrain.prompts_per_step", 1, kInf, r(&PosttrainConfig::prompts_per_step)),
+      int_key("posttrain.samples_per_prompt", 1, kInf, r(&PosttrainConfig::samples_per_prompt)),
+      int_key("posttrain.max_new_tokens", 1, 1 << 20, r(&PosttrainConfig::max_new_tokens)),
+      float_key("posttrain.temperature", 0, 100, r(&PosttrainConfig::temperature)),
+      float_key("posttrain.top_p", 0, 1, r(&PosttrainConfig::top_p)),
+      int_key("posttrain.top_k", 0, 1LL << 31, r(&PosttrainConfig::top_k)),
+      int_key("posttrain.gen_tp", 1, 4096, r(&PosttrainConfig::gen_tp)),
+      str_key("posttrain.baseline", {"mean", "loo"}, r(&PosttrainConfig::baseline)),
+      bool_key("posttrain.std_normalize", r(&PosttrainConfig::std_normalize)),
+      float_key("posttrain.adv_eps", 0, 1, r(&PosttrainConfig::adv_eps)),
+      float_key("posttrain.clip_low", 0, 1, r(&PosttrainConfig::clip_low)),
+      float_key("posttrain.clip_high", 0, kInf, r(&PosttrainConfig::clip_high)),
+      float_key("posttrain.kl_coef", 0, kInf, r(&PosttrainConfig::kl_coef)),
+      str_key("posttrain.loss_agg", {"token", "sequence"}, r(&PosttrainConfig::loss_agg)),
+      int_key("posttrain.epochs", 1, 1024, r(&PosttrainConfig::epochs)),
+      bool_key("posttrain.dynamic_sampling", r(&PosttrainConfig::dynamic_sampling)),
+      float_key("posttrain.tis_cap", 0, kInf, r(&PosttrainConfig::tis_cap)),
+      float_key("posttrain.dpo_beta", 0, kInf, r(&PosttrainConfig::dpo_beta)),
+      str_key("posttrain.dpo_logprob", {"sum", "mean"}, r(&PosttrainConfig::dpo_logprob)),
+      float_key("posttrain.dpo_sft_coef", 0, kInf, r(&PosttrainConfig::dpo_sft_coef)),
+      int_key("posttrain.pairs_per_step", 1, kInf, r(&PosttrainConfig::pairs_per_step)),
   };
   return rows;
 }
@@ -620,8 +649,8 @@ Status validate_config(const Config& c) {
         "data x context parallel ranks)",
         p.ep, p.dp, p.cp, p.dp * p.cp);
 
-  if (d.task != "addition" && d.task != "lm" && d.task != "shards" && d.task != "sft")
-    return errf("data.task must be one of addition, lm, shards, sft, got '{}'", d.task);
+  if (d.task != "addition" && d.task != "sort" && d.task != "lm" && d.task != "shards" && d.task != "sft")
+    return errf("data.task must be one of addition, sort, lm, shards, sft, got '{}'", d.task);
   if ((d.task == "shards" || d.task == "sft") && d.path.empty())
     return errf("data.path is required for data.task {}", d.task);
   if (d.min_seq_len > d.seq_len)

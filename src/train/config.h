@@ -12,18 +12,19 @@ namespace ndt {
 
 // Mixture-of-Experts feed-forward layers (model/moe.h, docs/architecture.md: router and losses).
 struct MoeConfig {
-  int64_t num_experts = 0;      // routed experts E; 0 = a dense model
-  int64_t top_k = 2;            // experts per token
-  int64_t d_ff_expert = 0;      // hidden width of one expert; 0 = model.d_ff (style default)
-  int64_t shared_experts = 0;   // always-on experts (one dense MLP of width shared_experts * d_ff_expert)
-  int64_t first_dense = 0;      // the first k layers keep a dense MLP
-  int64_t every = 1;            // after those, every n-th layer is MoE (layer l: (l - first_dense) % every == 0)
-  std::string router = "softmax";  // "softmax" (Mixtral/Qwen) or "sigmoid" (DeepSeek-V3: scores + selection bias)
-  bool renormalize = true;      // gate weights of the k chosen experts divided by their sum
-  double aux_loss_coef = 0.01;  // Switch/GShard load-balancing loss, per sequence (0 = off)
-  double z_loss_coef = 0.0;     // router z-loss (0 = off)
+  int64_t num_experts = 0;     // routed experts E; 0 = a dense model
+  int64_t top_k = 2;           // experts per token
+  int64_t d_ff_expert = 0;     // hidden width of one expert; 0 = model.d_ff (style default)
+  int64_t shared_experts = 0;  // always-on experts (one dense MLP of width shared_experts * d_ff_expert)
+  int64_t first_dense = 0;     // the first k layers keep a dense MLP
+  int64_t every = 1;  // after those, every n-th layer is MoE (layer l: (l - first_dense) % every == 0)
+  std::string router =
+      "softmax";            // "softmax" (Mixtral/Qwen) or "sigmoid" (DeepSeek-V3: scores + selection bias)
+  bool renormalize = true;  // gate weights of the k chosen experts divided by their sum
+  double aux_loss_coef = 0.01;     // Switch/GShard load-balancing loss, per sequence (0 = off)
+  double z_loss_coef = 0.0;        // router z-loss (0 = off)
   double bias_update_rate = 1e-3;  // sigmoid router: expert-bias step per optimizer step (0 = frozen)
-  double capacity_factor = 0;   // 0 = dropless; > 0 drops tokens over capacity (layout-dependent)
+  double capacity_factor = 0;      // 0 = dropless; > 0 drops tokens over capacity (layout-dependent)
   bool enabled() const { return num_experts > 0; }
 };
 
@@ -114,11 +115,45 @@ struct ParallelConfig {
   std::string stage_layers;
 };
 
+// Post-training (docs/posttraining.md): algo "sft" is plain training on `data`; "dpo" and "grpo" run
+// the post-training loop of src/posttrain on the prompts/pairs of `task`.
+struct PosttrainConfig {
+  std::string algo = "sft";            // "sft" | "dpo" | "grpo"
+  std::string task = "addition";       // "addition" | "sort" (embedded, verifiable) | "jsonl" (data_path)
+  std::string data_path;               // jsonl: {prompt, answer} (grpo) or {prompt, chosen, rejected} (dpo)
+  std::string reward = "exact_match";  // reward of a jsonl task: "exact_match" | "contains" | "numeric"
+  std::string init;                    // weights to start from (a run dir's model.safetensors); empty = init
+  int64_t eval_samples = 200;          // held-out prompts for exact match (greedy)
+  // GRPO
+  int64_t prompts_per_step = 8;
+  int64_t samples_per_prompt = 8;  // G
+  int64_t max_new_tokens = 16;
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;
+  int64_t gen_tp = 1;             // generation layout: TP degree (world / gen_tp replicas)
+  std::string baseline = "mean";  // advantage baseline: group "mean" or leave-one-out "loo"
+  bool std_normalize = true;      // divide advantages by the group's std + adv_eps
+  double adv_eps = 1e-6;
+  double clip_low = 0.2, clip_high = 0.2;  // ratio clipped to [1 - clip_low, 1 + clip_high]
+  double kl_coef = 0.0;                    // beta of the k3 KL penalty to the frozen reference (0 = off)
+  std::string loss_agg = "token";  // "token": mean over all loss tokens of the global batch; "sequence"
+  int64_t epochs = 1;              // optimizer steps per rollout batch
+  bool dynamic_sampling = false;   // drop prompt groups whose rewards are all equal
+  double tis_cap = 0;              // truncated importance sampling cap for generator mismatch (0 = off)
+  // DPO
+  double dpo_beta = 0.1;
+  std::string dpo_logprob = "sum";  // "sum" | "mean" of a response's token logprobs
+  double dpo_sft_coef = 0;          // weight of an SFT (NLL) term on the chosen responses
+  int64_t pairs_per_step = 8;
+};
+
 struct Config {
   ModelConfig model;
   DataConfig data;
   TrainConfig train;
   ParallelConfig parallel;
+  PosttrainConfig posttrain;
   std::string source;  // where it came from (file path or "<defaults>"), for messages
 };
 

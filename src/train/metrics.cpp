@@ -151,7 +151,8 @@ void pad_range(double& lo, double& hi, double rel) {
 
 Status write_loss_svg(const std::vector<std::pair<int64_t, double>>& train_loss,
                       const std::vector<std::pair<int64_t, double>>& val_loss, const std::string& path,
-                      const std::string& title, bool log_y) {
+                      const std::string& title, bool log_y,
+                      const std::pair<std::string, std::string>& labels) {
   // Keep the plottable points (finite, and > 0 on a log axis); y in axis units.
   auto clean = [&](const std::vector<std::pair<int64_t, double>>& s) {
     std::vector<std::pair<double, double>> out;
@@ -223,7 +224,10 @@ Status write_loss_svg(const std::vector<std::pair<int64_t, double>>& train_loss,
   o << fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">step</text>\n", (ML + W - MR) / 2, H - 14);
   o << fmt::format(
       "<text x=\"16\" y=\"{0}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {0})\">{1}</text>\n",
-      (MT + H - MB) / 2, log_y ? "loss (log scale)" : "loss");
+      (MT + H - MB) / 2,
+      labels.first != "train loss" ? "value"
+      : log_y                      ? "loss (log scale)"
+                                   : "loss");
   if (empty)
     o << fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" fill=\"#888\">no data</text>\n", W / 2,
                      H / 2);
@@ -256,12 +260,12 @@ Status write_loss_svg(const std::vector<std::pair<int64_t, double>>& train_loss,
   o << fmt::format(
       "<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" stroke=\"#1f77b4\" stroke-width=\"2\"/>\n", lx + 10,
       ly + 15, lx + 34);
-  o << fmt::format("<text x=\"{}\" y=\"{}\">train loss</text>\n", lx + 42, ly + 19);
+  o << fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", lx + 42, ly + 19, xml_escape(labels.first));
   o << fmt::format(
       "<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" stroke=\"#d62728\" stroke-width=\"2\"/>\n", lx + 10,
       ly + 33, lx + 34);
   o << fmt::format("<circle cx=\"{}\" cy=\"{}\" r=\"3\" fill=\"#d62728\"/>\n", lx + 22, ly + 33);
-  o << fmt::format("<text x=\"{}\" y=\"{}\">validation loss</text>\n", lx + 42, ly + 37);
+  o << fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", lx + 42, ly + 37, xml_escape(labels.second));
   o << "</svg>\n";
 
   std::error_code ec;

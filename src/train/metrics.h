@@ -42,14 +42,15 @@ std::vector<std::pair<int64_t, double>> metric_series(const std::vector<nlohmann
 // points are skipped. log_y plots the loss on a log10 axis (all values must be > 0, others skipped).
 Status write_loss_svg(const std::vector<std::pair<int64_t, double>>& train_loss,
                       const std::vector<std::pair<int64_t, double>>& val_loss, const std::string& path,
-                      const std::string& title, bool log_y = false);
+                      const std::string& title, bool log_y = false,
+                      const std::pair<std::string, std::string>& labels = {"train loss", "validation loss"});
 
 // Expert load over a run, one heatmap per MoE layer: rows are experts, columns steps, the colour the
 // expert's share of the layer's routed tokens relative to a uniform share (white = 1/E, blue = less,
 // red = more, saturating at 0 and 2/E). loads[i][s] holds layer layers[i]'s per-expert counts at steps[s].
 Status write_expert_load_svg(const std::vector<int64_t>& steps, const std::vector<int64_t>& layers,
-                             const std::vector<std::vector<std::vector<double>>>& loads, const std::string& path,
-                             const std::string& title);
+                             const std::vector<std::vector<std::vector<double>>>& loads,
+                             const std::string& path, const std::string& title);
 
 // 0.42 -> "0.42s", 12.3 -> "12.3s", 83 -> "1m23s", 3725 -> "1h02m", 90000 -> "1d01h".
 std::string format_duration(double seconds);

@@ -69,25 +69,40 @@ PackLayout Trainer::pack_layout_() const {
 std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
   const int64_t gb = cfg_.train.global_batch, dp = c_.dp->size();
   const int64_t per_rank = gb / dp;
-  const int64_t mbs = cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : per_rank;
   std::vector<Sample> samples;
   for (int64_t i = 0; i < per_rank; ++i) {
     const int64_t j = c_.dp->rank() * per_rank + i;  // position in the global batch
     samples.push_back(
         train_.get(sample_index(cfg_.data.seed, step, j, gb, train_.size(), cfg_.data.shuffle)));
   }
+  return microbatches(samples);
+}
+
+std::vector<Microbatch> Trainer::microbatches(const std::vector<Sample>& samples, int64_t group) const {
+  const int64_t n = static_cast<int64_t>(samples.size());
+  const int64_t per_rank = cfg_.train.global_batch / c_.dp->size();
+  const int64_t mbs = cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : per_rank;
+  NDT_CHECK(n % group == 0, "{} samples do not form groups of {}", n, group);
   std::vector<Microbatch> out;
   if (!cfg_.data.packing) {  // every sample padded to seq_len, micro_batch samples per microbatch
-    for (int64_t first = 0; first < per_rank; first += mbs)
-      out.push_back(
-          make_microbatch({samples.begin() + first, samples.begin() + std::min(per_rank, first + mbs)},
-                          cfg_.data.seq_len, tok_.pad_id()));
+    NDT_CHECK(mbs % group == 0, "train.micro_batch ({}) must be a multiple of {} (samples that share a loss)",
+              mbs, group);
+    for (int64_t first = 0; first < n; first += mbs) {
+      out.push_back(make_microbatch({samples.begin() + first, samples.begin() + std::min(n, first + mbs)},
+                                    cfg_.data.seq_len, tok_.pad_id()));
+      for (int64_t& id : out.back().sample_ids) id += first;
+    }
     return out;
   }
-  // Packed: the same samples, grouped by the packing policy under the token budget (data/packing.h).
+  // Packed: the same samples, grouped by the packing policy under the token budget (data/packing.h); a
+  // group of samples (a DPO pair) is packed as one item so that it shares a microbatch.
   const PackLayout layout = pack_layout_();
   std::vector<int64_t> lengths;
-  for (const Sample& s : samples) lengths.push_back(packed_length(s, layout));
+  for (int64_t g = 0; g < n; g += group) {
+    int64_t len = 0;
+    for (int64_t i = g; i < g + group; ++i) len += packed_length(samples[static_cast<size_t>(i)], layout);
+    lengths.push_back(len);
+  }
   const int64_t budget = cfg_.data.pack_tokens > 0 ? cfg_.data.pack_tokens : mbs * cfg_.data.seq_len;
   auto bins = pack_into_microbatches(lengths, budget, pack_count_multiple_);
   if (c_.ep_hooks && c_.dp->size() > 1) {
@@ -99,16 +114,31 @@ std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
       bins = pack_into_microbatches(lengths, budget, pack_count_multiple_, m);
   }
   for (const auto& bin : bins) {
-    std::vector<Sample> group;
-    for (int64_t i : bin) group.push_back(samples[static_cast<size_t>(i)]);
-    out.push_back(pack_samples(group, tok_.pad_id(), layout));
+    std::vector<Sample> items;
+    std::vector<int64_t> ids;
+    for (int64_t b : bin)
+      for (int64_t i = b * group; i < (b + 1) * group; ++i) {
+        items.push_back(samples[static_cast<size_t>(i)]);
+        ids.push_back(i);
+      }
+    out.push_back(pack_samples(items, tok_.pad_id(), layout));
+    for (int64_t& id : out.back().sample_ids)
+      if (id >= 0) id = ids[static_cast<size_t>(id)];
   }
   return out;
 }
 
 StepStats Trainer::train_step(int64_t step) {
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<Microbatch> mbs = local_microbatches(step);
+  return step_on(step, local_microbatches(step), nullptr, t0);
+}
+
+StepStats Trainer::train_step_on(int64_t step, const std::vector<Microbatch>& mbs, TokenLoss& loss) {
+  return step_on(step, mbs, &loss, std::chrono::steady_clock::now());
+}
+
+StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, TokenLoss* token_loss,
+                           std::chrono::steady_clock::time_point t0) {
   // Loss-bearing tokens, real sequences and real tokens of the whole global batch, known before any
   // backward (the normalisers of the loss and of the MoE balancing losses).
   int64_t counts[3] = {0, 0, 0};
@@ -129,7 +159,7 @@ StepStats Trainer::train_step(int64_t step) {
   const bool tracing = !trace_path_.empty() && step >= 1 && step <= 3;
   const double t0_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  double loss_sum = engine_->train(mbs, scale, tracing ? &trace_ : nullptr, t0_us);
+  double loss_sum = engine_->train(mbs, scale, tracing ? &trace_ : nullptr, t0_us, token_loss);
   engine_->end_moe_step();
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (step > 0) {  // step 0 includes one-time allocation
@@ -142,7 +172,7 @@ StepStats Trainer::train_step(int64_t step) {
   c_.grad->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);  // each CP rank holds its shard's part
   StepStats st;
   st.step = step;
-  st.loss = loss_sum / static_cast<double>(n_tokens);
+  st.loss = token_loss ? loss_sum : loss_sum / static_cast<double>(n_tokens);  // token losses normalise
   st.tokens = n_tokens;
   st.grad_norm = opt_->reduce_and_clip(cfg_.train.grad_clip);
   st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);

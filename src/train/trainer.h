@@ -2,6 +2,7 @@
 // The training loop: global batch -> this DP rank's share -> microbatches with gradient accumulation;
 // loss = sum of token losses / loss-bearing tokens of the WHOLE global batch, counted before the
 // step (DESIGN.md §1.2); warmup + cosine LR; AdamW (optionally ZeRO-1); global-norm clipping.
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -18,6 +19,7 @@
 #include "train/logprobs.h"
 #include "train/moe_metrics.h"
 #include "train/optimizer.h"
+#include "train/token_loss.h"
 
 namespace ndt {
 
@@ -61,6 +63,16 @@ class Trainer {
   Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const Dataset& train, const Dataset* val);
   // One optimizer step; collective over all ranks.
   StepStats train_step(int64_t step);
+  // One optimizer step on this DP rank's microbatches (full, not CP-sharded; see microbatches()) under a
+  // token loss, which normalises itself (post-training). Collective over all ranks.
+  StepStats train_step_on(int64_t step, const std::vector<Microbatch>& mbs, TokenLoss& loss);
+  // This layout's microbatches of this DP rank's samples (micro_batch per microbatch, or packed). Samples
+  // come in groups of `group` consecutive ones that always share a microbatch (DPO pairs). sample_ids index
+  // `samples`. Under expert parallelism (packed) collective over DP.
+  std::vector<Microbatch> microbatches(const std::vector<Sample>& samples, int64_t group = 1) const;
+  // The run's communicators (post-training builds its own collectives on them).
+  const RunComms& comms() const { return c_; }
+  const Config& config() const { return cfg_; }
   EvalStats evaluate();
   // Per-token logprobs and top-k logits of `samples` (original order, on every rank; collective).
   std::vector<SampleScores> score(const std::vector<Sample>& samples, int64_t k);
@@ -75,6 +87,12 @@ class Trainer {
   // Loads a checkpoint written by any layout; training continues at its step (collective).
   void resume(const std::string& dir);
   int64_t start_step() const { return start_step_; }
+  // Full (global) parameter tensors on EVERY rank (gathered over TP, EP and PP): refit's source.
+  std::vector<std::pair<std::string, Tensor>> full_weights();
+  // Exchanges this rank's parameter values with `other` (its own slices, as a previous call left them);
+  // an empty `other` receives a copy and the weights stay. Local (no collective). Post-training scores
+  // with a frozen reference policy by swapping it in and out.
+  void swap_weights(std::vector<Tensor>& other);
   // Starts from given full (global) tensors, e.g. imported from Hugging Face: each rank copies its slice.
   void load_weights(const std::vector<std::pair<std::string, Tensor>>& full);
   // Write a Chrome trace of steps 1..3 (forward/backward/send/recv per rank) to `path` at the end of run().
@@ -88,6 +106,8 @@ class Trainer {
 
  private:
   std::vector<Microbatch> local_microbatches(int64_t step) const;
+  StepStats step_on(int64_t step, const std::vector<Microbatch>& mbs, TokenLoss* token_loss,
+                    std::chrono::steady_clock::time_point t0);
   // Padding rules of this layout's packed microbatches (2·cp per sequence, tp·2·cp per stream under SP).
   PackLayout pack_layout_() const;
   // Whether DP replicas must make the same model calls (expert parallelism exchanges tokens between them).

@@ -14,9 +14,9 @@ void Trainer::save_checkpoint(int64_t steps_done) {
   meta.step = steps_done;
   meta.optimizer_steps = opt_->steps_taken();
   meta.config_yaml = config_to_yaml(cfg_);
-  meta.layout = fmt::format("tp={} cp={} ep={} dp={} pp={} virtual_stages={}{}", cfg_.parallel.tp, cfg_.parallel.cp,
-                            cfg_.parallel.ep, cfg_.parallel.dp, cfg_.parallel.pp, cfg_.parallel.virtual_stages,
-                            cfg_.parallel.zero1 ? " zero1" : "");
+  meta.layout = fmt::format("tp={} cp={} ep={} dp={} pp={} virtual_stages={}{}", cfg_.parallel.tp,
+                            cfg_.parallel.cp, cfg_.parallel.ep, cfg_.parallel.dp, cfg_.parallel.pp,
+                            cfg_.parallel.virtual_stages, cfg_.parallel.zero1 ? " zero1" : "");
   const std::string dir = cfg_.train.checkpoint_dir.empty()
                               ? (std::filesystem::path(cfg_.train.out_dir) / "checkpoints").string()
                               : cfg_.train.checkpoint_dir;

@@ -56,6 +56,59 @@ void Trainer::gather_pipeline_params(std::vector<std::pair<std::string, Tensor>>
   }
 }
 
+std::vector<std::pair<std::string, Tensor>> Trainer::full_weights() {
+  std::vector<std::pair<std::string, Tensor>> full;
+  engine_->params().with_host_values([&] { full = gather_full_params(engine_->params(), *c_.tp, c_.ep); },
+                                     /*write_back=*/false);
+  Communicator& pp = *c_.pp;
+  if (pp.size() == 1) return full;
+  // Every stage broadcasts its tensors to the others (names, shapes, data), skipping tied copies.
+  std::vector<std::pair<std::string, Tensor>> all;
+  for (int q = 0; q < pp.size(); ++q) {
+    int64_t n = q == pp.rank() ? static_cast<int64_t>(full.size()) : 0;
+    pp.broadcast(&n, 1, DType::I64, q);
+    for (int64_t i = 0; i < n; ++i) {
+      std::string name = q == pp.rank() ? full[static_cast<size_t>(i)].first : std::string();
+      int64_t meta[2] = {static_cast<int64_t>(name.size()),
+                         q == pp.rank() ? full[static_cast<size_t>(i)].second.dim() : 0};
+      pp.broadcast(meta, 2, DType::I64, q);
+      std::vector<int32_t> chars(name.begin(), name.end());  // (no byte dtype on the wire)
+      chars.resize(static_cast<size_t>(meta[0]));
+      pp.broadcast(chars.data(), meta[0], DType::I32, q);
+      name.assign(chars.begin(), chars.end());
+      Shape shape =
+          q == pp.rank() ? full[static_cast<size_t>(i)].second.shape() : Shape(static_cast<size_t>(meta[1]));
+      pp.broadcast(shape.data(), meta[1], DType::I64, q);
+      Tensor t = q == pp.rank() ? full[static_cast<size_t>(i)].second : Tensor::empty(shape);
+      pp.broadcast(t.data_ptr(), t.numel(), DType::F32, q);
+      bool have = false;
+      for (const auto& e : all) have = have || e.first == name;
+      if (!have) all.emplace_back(std::move(name), t);
+    }
+  }
+  return all;
+}
+
+void Trainer::swap_weights(std::vector<Tensor>& other) {
+  auto& ps = engine_->params().all();
+  NDT_CHECK(other.empty() || other.size() == ps.size(), "weight snapshot has {} tensors, the model {}",
+            other.size(), ps.size());
+  const bool take = other.empty();  // first call: just take a copy
+  engine_->params().with_host_values(
+      [&] {
+        if (take) {
+          for (auto& p : ps) other.push_back(p->value.clone());
+          return;
+        }
+        for (size_t i = 0; i < ps.size(); ++i) {
+          Tensor mine = ps[i]->value.clone();
+          ps[i]->value.copy_from(other[i]);
+          other[i] = std::move(mine);
+        }
+      },
+      /*write_back=*/!take);
+}
+
 void Trainer::report_pipeline(bool logger) {
   // Measured bubble: the share of step time a stage spends outside forward/backward, averaged over stages.
   double sums[2] = {compute_s_, step_s_};

@@ -44,6 +44,7 @@ Microbatch cp_shard(const Microbatch& full, int64_t cp, int64_t r) {
   mb.nseq = full.nseq;
   mb.max_seqlen = full.max_seqlen;
   mb.seq_real = full.seq_real;  // per sequence, global: positions stay global too
+  mb.sample_ids = full.sample_ids;
   int64_t n = 0;
   for (int64_t t = 0; t < mb.num_tokens(); ++t) n += mb.loss_mask.f32()[t] != 0.0f;
   mb.num_loss_tokens = n;

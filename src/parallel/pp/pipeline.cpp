@@ -54,7 +54,8 @@ Result<std::vector<int64_t>> stage_boundaries(const ParallelConfig& par, int64_t
   return b;
 }
 
-PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp, Communicator* cp, EpHooks* ep)
+PipelineEngine::PipelineEngine(const Config& cfg, Communicator& pp, TpHooks* tp, Communicator* cp,
+                               EpHooks* ep)
     : cfg_(cfg),
       pp_(pp),
       tp_(tp),
@@ -133,7 +134,7 @@ double PipelineEngine::theoretical_bubble(int m) const {
 }
 
 double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss_scale,
-                             std::vector<pp::TraceEvent>* trace, double t0_us) {
+                             std::vector<pp::TraceEvent>* trace, double t0_us, TokenLoss* token_loss) {
   std::vector<Microbatch> mbs;
   for (const Microbatch& mb : full_mbs) mbs.push_back(shard(mb));
   const int m = static_cast<int>(mbs.size());
@@ -144,7 +145,7 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
 
   using Key = std::pair<int, int>;  // (microbatch, chunk)
   std::map<Key, Activations> acts;
-  std::map<Key, Tensor> x_in, y_out, dy_in, dx_out;
+  std::map<Key, Tensor> x_in, y_out, dy_in, dx_out, seeds;
   double loss = 0;
   compute_s_ = 0;
   auto buffer_for = [&](const pp::PpAction& a) -> Tensor& {
@@ -179,7 +180,16 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
       if (a.kind == pp::PpAction::Forward) {
         Tensor in = stage_of(a.chunk) == 0 ? Tensor() : x_in.at(k);
         y_out[k] = model.forward(mb, in, acts[k]);
-        if (is_last(a.chunk)) loss += model.loss_sum(mb, acts[k]);
+        if (is_last(a.chunk)) {
+          if (token_loss) {
+            const Tensor lp = ops::to_host_f32(acts[k].logprob);
+            std::vector<float> logprob(lp.f32(), lp.f32() + lp.numel()), dloss(logprob.size(), 0.0f);
+            loss += token_loss->seed(mb, logprob, dloss);
+            seeds[k] = Tensor::from_vector(dloss, {static_cast<int64_t>(dloss.size())});
+          } else {
+            loss += model.loss_sum(mb, acts[k]);
+          }
+        }
         x_in.erase(k);
       } else {
         Tensor dy = is_last(a.chunk) ? Tensor() : dy_in.at(k);
@@ -189,7 +199,10 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
             const auto [b, e] = layer_range(l);
             if (e > b) grads_ready_(b, e);
           });
-        dx_out[k] = model.backward(mb, dy, loss_scale, acts.at(k));
+        auto seed = seeds.find(k);
+        dx_out[k] =
+            model.backward(mb, dy, loss_scale, acts.at(k), seed == seeds.end() ? nullptr : &seed->second);
+        if (seed != seeds.end()) seeds.erase(seed);
         if (last) model.set_layer_done_hook(nullptr);
         acts.erase(k);  // activations die with their backward (1F1B's memory bound)
         y_out.erase(k);

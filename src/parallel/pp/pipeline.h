@@ -16,6 +16,7 @@
 #include "parallel/cp/cp_attention.h"
 #include "parallel/pp/schedule.h"
 #include "train/config.h"
+#include "train/token_loss.h"
 
 namespace ndt {
 
@@ -44,8 +45,11 @@ class PipelineEngine {
   // Forward and backward of all microbatches by the schedule; gradients accumulate into params().
   // Returns this rank's part of the loss sum (last stage only; 0 elsewhere). Appends per-action
   // timings to `trace` when given (start relative to `t0_us`).
+  // token_loss (optional) replaces the cross-entropy: it seeds each microbatch's backward and gives the
+  // loss contribution (train/token_loss.h); loss_scale is then unused.
   double train(const std::vector<Microbatch>& mbs, float loss_scale,
-               std::vector<pp::TraceEvent>* trace = nullptr, double t0_us = 0);
+               std::vector<pp::TraceEvent>* trace = nullptr, double t0_us = 0,
+               TokenLoss* token_loss = nullptr);
   // After train(): sums the tied embedding's gradient between the first and last stage.
   void sync_tied_grads();
 

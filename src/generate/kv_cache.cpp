@@ -1,0 +1,80 @@
+#include "generate/kv_cache.h"
+
+#include <limits>
+
+#include "core/check.h"
+#include "ops/ops.h"
+
+namespace ndt {
+
+namespace {
+// Position of a row no query may see (beyond any real position; sorted after them).
+constexpr int32_t kUnseen = std::numeric_limits<int32_t>::max() / 2;
+}  // namespace
+
+KvCache::KvCache(int64_t layers, int64_t slots, int64_t max_len, int64_t kv_heads, int64_t head_dim, DType dt,
+                 Device dev)
+    : slots_(slots), max_len_(max_len), dev_(dev), len_(static_cast<size_t>(slots), 0) {
+  NDT_CHECK(slots >= 1 && max_len >= 1 && max_len < kUnseen, "KV cache: bad size {} slots x {} rows", slots,
+            max_len);
+  // Zeroed: a masked row inside a partially visible key tile still enters P.V with weight 0, which must
+  // not meet NaN garbage.
+  for (int64_t l = 0; l < layers; ++l) {
+    k_.push_back(Tensor::zeros({slots * max_len, kv_heads, head_dim}, dt, dev));
+    v_.push_back(Tensor::zeros({slots * max_len, kv_heads, head_dim}, dt, dev));
+  }
+}
+
+void KvCache::begin(const Microbatch& mb, const std::vector<int64_t>& slots) {
+  NDT_CHECK(static_cast<int64_t>(slots.size()) == mb.nseq && mb.nseq >= 1,
+            "KV cache: {} slots for a forward of {} sequences", slots.size(), mb.nseq);
+  const int32_t* cu = mb.cu_seqlens.i32();
+  const int32_t* pos = mb.positions.i32();
+  runs_.clear();
+  std::vector<int32_t> cu_k(static_cast<size_t>(mb.nseq + 1));
+  for (int64_t s = 0; s < mb.nseq; ++s) {
+    const int64_t b = slots[static_cast<size_t>(s)], n = cu[s + 1] - cu[s];
+    NDT_CHECK(b >= 0 && b < slots_ && (s == 0 || b > slots[static_cast<size_t>(s - 1)]),
+              "KV cache: slots must be increasing and in [0, {}), got {} at sequence {}", slots_, b, s);
+    int64_t& len = len_[static_cast<size_t>(b)];
+    NDT_CHECK(n >= 1 && len + n <= max_len_, "KV cache: slot {} holds {} of {} rows, {} more do not fit", b,
+              len, max_len_, n);
+    for (int64_t t = 0; t < n; ++t)
+      NDT_CHECK(pos[cu[s] + t] == len + t, "KV cache: slot {} expects position {}, the forward has {}", b,
+                len + t, pos[cu[s] + t]);
+    runs_.push_back({cu[s], b * max_len_ + len, n});
+    len += n;
+    cu_k[static_cast<size_t>(s)] = static_cast<int32_t>(b * max_len_);
+  }
+  cu_k[static_cast<size_t>(mb.nseq)] = static_cast<int32_t>((slots.back() + 1) * max_len_);
+  // Key positions of this forward: its slots' filled rows; everything else unseen.
+  std::vector<int32_t> pos_k(static_cast<size_t>(slots_ * max_len_), kUnseen);
+  for (int64_t b : slots)
+    for (int64_t j = 0; j < len_[static_cast<size_t>(b)]; ++j)
+      pos_k[static_cast<size_t>(b * max_len_ + j)] = static_cast<int32_t>(j);
+  // Uploaded once per forward (the ops would otherwise upload host metadata once per layer).
+  cu_k_ = Tensor::from_vector(cu_k, {mb.nseq + 1}).to(dev_);
+  pos_k_ = Tensor::from_vector(pos_k, {slots_ * max_len_}).to(dev_);
+  cu_q_ = mb.cu_seqlens.to(dev_);
+  pos_q_ = mb.positions.to(dev_);
+}
+
+void KvCache::attention_forward(int64_t layer, const Microbatch& mb, const Tensor& q, const Tensor& k,
+                                const Tensor& v, Tensor& out, Tensor& lse, float scale) {
+  Tensor& K = k_.at(static_cast<size_t>(layer));
+  Tensor& V = v_.at(static_cast<size_t>(layer));
+  NDT_CHECK(
+      k.dtype() == K.dtype() && k.device() == K.device() && k.numel() / k.size(0) == K.numel() / K.size(0),
+      "KV cache: layer {} keys {} {} do not match the cache", layer, shape_str(k.shape()),
+      dtype_name(k.dtype()));
+  NDT_CHECK(!runs_.empty() && runs_.back().src + runs_.back().n == mb.num_tokens(),
+            "KV cache: begin() was not called for this forward");
+  const int64_t row = K.numel() / K.size(0);
+  for (const Run& r : runs_) {  // a prompt or one decode token: one copy each
+    K.view_at(r.dst * row, {r.n * row}).copy_from(k.view_at(r.src * row, {r.n * row}));
+    V.view_at(r.dst * row, {r.n * row}).copy_from(v.view_at(r.src * row, {r.n * row}));
+  }
+  ops::attention_forward(out, lse, q, K, V, cu_q_, cu_k_, pos_q_, pos_k_, scale);
+}
+
+}  // namespace ndt

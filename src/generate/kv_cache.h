@@ -1,0 +1,48 @@
+#pragma once
+// A contiguous KV cache for the generation engine (model/kv_hooks.h): per layer, K and V of shape
+// (slots * max_len, KVl, D) on the model's device in its compute dtype; slot b owns rows
+// [b * max_len, (b + 1) * max_len), row p holding the token at position p.
+//
+// A forward (prefill: whole prompts; decode: one token per active sequence) names the slot of each of
+// its sequences, in increasing slot order; its rows are appended to their slots at their positions and
+// its queries attend to the cache through the general attention op (visible iff pos_k <= pos_q), with
+// key segment i = [slot_i * max_len, slot_{i+1} * max_len). Rows not written yet and the rows of slots
+// not in this forward carry a position beyond any query, so they are masked without compacting the
+// cache: the segment's positions stay sorted (0..len-1, then the sentinel), on the CPU a masked key costs
+// one comparison, and the CUDA flash kernel stops at the last visible key (binary search on pos_k), so the
+// masked tail is never loaded. Compaction would instead copy every cached row once per step and layer.
+#include <cstdint>
+#include <vector>
+
+#include "model/kv_hooks.h"
+
+namespace ndt {
+
+class KvCache final : public KvHooks {
+ public:
+  KvCache(int64_t layers, int64_t slots, int64_t max_len, int64_t kv_heads, int64_t head_dim, DType dt,
+          Device dev);
+  // Before each forward: sequence s of mb goes to slot slots[s] (strictly increasing); its rows are the
+  // slot's next tokens (positions length(slot), length(slot) + 1, ...). Checks that, then advances the
+  // slot lengths and prepares the attention metadata of this forward.
+  void begin(const Microbatch& mb, const std::vector<int64_t>& slots);
+  void attention_forward(int64_t layer, const Microbatch& mb, const Tensor& q, const Tensor& k,
+                         const Tensor& v, Tensor& out, Tensor& lse, float scale) override;
+  int64_t length(int64_t slot) const { return len_.at(static_cast<size_t>(slot)); }
+  int64_t max_len() const { return max_len_; }
+
+ private:
+  int64_t slots_, max_len_;
+  Device dev_;
+  std::vector<Tensor> k_, v_;
+  std::vector<int64_t> len_;
+  // This forward: one run of rows per sequence (first microbatch row, first cache row, count), and the
+  // attention metadata on the cache's device.
+  struct Run {
+    int64_t src, dst, n;
+  };
+  std::vector<Run> runs_;
+  Tensor cu_q_, cu_k_, pos_q_, pos_k_;
+};
+
+}  // namespace ndt

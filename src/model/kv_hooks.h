@@ -1,0 +1,23 @@
+#pragma once
+// Incremental (cached) attention enters the model only through this interface, as context parallelism
+// does through CpHooks: generation (src/generate) implements it with a KV cache. With a cache set, the
+// microbatch holds only the NEW tokens of each sequence, at their absolute positions; the hook stores
+// their keys/values and attends the new queries to every cached key of the same sequence (causal by
+// position). Forward only: a cached forward has no backward.
+//
+// layer: the global layer index. q(T, Hl, D), k/v(T, KVl, D) after RoPE; out(T, Hl, D), lse(T, Hl).
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "data/dataset.h"
+
+namespace ndt {
+
+class KvHooks {
+ public:
+  virtual ~KvHooks() = default;
+  virtual void attention_forward(int64_t layer, const Microbatch& mb, const Tensor& q, const Tensor& k,
+                                 const Tensor& v, Tensor& out, Tensor& lse, float scale) = 0;
+};
+
+}  // namespace ndt
