@@ -33,7 +33,8 @@ RunSetup load_run(Communicator& world, const std::string& config_path,
   auto train = make_dataset(s.cfg.data, *s.tok, false);
   agree_or_throw(train.status(), world);
   s.train = std::move(train).value();
-  const bool synthetic = s.cfg.data.task == "addition" || s.cfg.data.task == "sort" || s.cfg.data.task == "lm";
+  const std::string& task = s.cfg.data.task;
+  const bool synthetic = task == "addition" || task == "sort" || task == "lm";
   if (synthetic || !s.cfg.data.val_path.empty()) {
     auto val = make_dataset(s.cfg.data, *s.tok, true);
     agree_or_throw(val.status(), world);

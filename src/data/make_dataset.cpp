@@ -18,8 +18,9 @@ Result<std::unique_ptr<Dataset>> make_dataset(const DataConfig& cfg, const Token
   }
   if (cfg.task == "sort") {
     if (cfg.addition_digits < 1 || cfg.addition_digits > 18)
-      return Status::error(fmt::format("data.addition_digits (the sort task's length knob) must be in 1..18 (got {})",
-                                       cfg.addition_digits));
+      return Status::error(
+          fmt::format("data.addition_digits (the sort task's length knob) must be in 1..18 (got {})",
+                      cfg.addition_digits));
     return std::unique_ptr<Dataset>(
         std::make_unique<SortTask>(sort_max_len(cfg.addition_digits), cfg.seed, tok, validation));
   }
@@ -29,9 +30,8 @@ Result<std::unique_ptr<Dataset>> make_dataset(const DataConfig& cfg, const Token
         std::make_unique<LmTask>(cfg.seq_len, cfg.seed, tok, validation ? "val" : "train", cfg.min_seq_len));
   }
   if (cfg.task != "shards" && cfg.task != "sft")
-    return Status::error(
-        fmt::format("data.task is '{}'; expected \"addition\", \"sort\", \"lm\", \"shards\" or \"sft\"",
-                    cfg.task));
+    return Status::error(fmt::format(
+        "data.task is '{}'; expected \"addition\", \"sort\", \"lm\", \"shards\" or \"sft\"", cfg.task));
   const std::string& path = validation ? cfg.val_path : cfg.path;
   if (path.empty())
     return Status::error(

@@ -30,15 +30,28 @@ int64_t draw_operand(CounterRng& rng, int64_t digits) {
   return rng.uniform_int(lo, pow10(nd) - 1);
 }
 
-Sample addition_sample(const AdditionProblem& p, const Tokenizer& tok) {
+// [BOS] prompt answer [EOS], loss on answer and EOS.
+Sample qa_sample(const std::string& prompt, const std::string& answer, const Tokenizer& tok) {
   Sample s;
   s.tokens.push_back(tok.bos_id());
-  for (int32_t t : tok.encode(p.prompt())) s.tokens.push_back(t);
+  for (int32_t t : tok.encode(prompt)) s.tokens.push_back(t);
   s.loss_mask.assign(s.tokens.size(), 0);
-  for (int32_t t : tok.encode(p.reversed_answer())) s.tokens.push_back(t);
+  for (int32_t t : tok.encode(answer)) s.tokens.push_back(t);
   s.tokens.push_back(tok.eos_id());
   s.loss_mask.resize(s.tokens.size(), 1);
   return s;
+}
+
+EvalProblem eval_problem(const std::string& prompt, std::string answer, const Tokenizer& tok) {
+  EvalProblem e;
+  e.prompt.push_back(tok.bos_id());
+  for (int32_t t : tok.encode(prompt)) e.prompt.push_back(t);
+  e.answer = std::move(answer);
+  return e;
+}
+
+void check_sort_len(int64_t max_len) {
+  NDT_CHECK(max_len >= 2 && max_len <= 64, "sort task: max list length must be in 2..64 (got {})", max_len);
 }
 
 }  // namespace
@@ -78,7 +91,10 @@ AdditionProblem AdditionTask::problem(int64_t index) const {
   return draw_addition_problem(digits_, static_cast<uint64_t>(seed_), eval_, index);
 }
 
-Sample AdditionTask::get(int64_t index) const { return addition_sample(problem(index), tok_); }
+Sample AdditionTask::get(int64_t index) const {
+  const AdditionProblem p = problem(index);
+  return qa_sample(p.prompt(), p.reversed_answer(), tok_);
+}
 
 std::vector<EvalProblem> addition_eval_problems(int64_t digits, int64_t seed, int64_t n,
                                                 const Tokenizer& tok) {
@@ -86,11 +102,7 @@ std::vector<EvalProblem> addition_eval_problems(int64_t digits, int64_t seed, in
   out.reserve(static_cast<size_t>(std::max<int64_t>(n, 0)));
   for (int64_t i = 0; i < n; ++i) {
     AdditionProblem p = draw_addition_problem(digits, static_cast<uint64_t>(seed), true, i);
-    EvalProblem e;
-    e.prompt.push_back(tok.bos_id());
-    for (int32_t t : tok.encode(p.prompt())) e.prompt.push_back(t);
-    e.answer = p.reversed_answer();
-    out.push_back(std::move(e));
+    out.push_back(eval_problem(p.prompt(), p.reversed_answer(), tok));
   }
   return out;
 }
@@ -98,6 +110,74 @@ std::vector<EvalProblem> addition_eval_problems(int64_t digits, int64_t seed, in
 std::vector<EvalProblem> addition_eval_problems(int64_t digits, int64_t seed, int64_t n) {
   auto tok = make_byte_tokenizer();
   return addition_eval_problems(digits, seed, n, *tok);
+}
+
+// ---- SortTask ------------------------------------------------------------------------------------
+
+std::string SortProblem::prompt() const {
+  std::string s = "sort";
+  for (int d : digits) {
+    s += ' ';
+    s += static_cast<char>('0' + d);
+  }
+  return s + "=";
+}
+
+std::string SortProblem::answer() const {
+  std::string s;
+  for (int d : digits) s += static_cast<char>('0' + d);
+  std::sort(s.begin(), s.end());
+  return s;
+}
+
+bool is_held_out_text(std::string_view text) {
+  uint64_t h = stable_hash(text);
+  h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+  h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+  return (h ^ (h >> 31)) % 10 == 0;
+}
+
+bool sort_is_eval(const SortProblem& p) { return is_held_out_text(p.prompt()); }
+
+SortProblem draw_sort_problem(int64_t max_len, uint64_t seed, bool eval_split, int64_t index) {
+  check_sort_len(max_len);
+  NDT_CHECK(index >= 0, "negative sample index {}", index);
+  static const uint64_t kTrain = stable_hash("sort/train"), kEval = stable_hash("sort/eval");
+  CounterRng rng(seed, sample_stream(eval_split ? kEval : kTrain, index));
+  // Even the shortest lists (100 of length 2) hold eval and train problems, so both splits are
+  // non-empty; ~10 draws per eval problem, ~1.1 per training one.
+  for (int attempt = 0; attempt < 100000; ++attempt) {
+    SortProblem p;
+    const int64_t n = rng.uniform_int(2, max_len);
+    for (int64_t i = 0; i < n; ++i) p.digits.push_back(static_cast<int>(rng.uniform_int(0, 9)));
+    if (sort_is_eval(p) == eval_split) return p;
+  }
+  NDT_FAIL("sort task: no {} problem found with lists of up to {} digits", eval_split ? "eval" : "train",
+           max_len);
+}
+
+SortTask::SortTask(int64_t max_len, int64_t seed, const Tokenizer& tok, bool eval_split)
+    : max_len_(max_len), seed_(seed), tok_(tok), eval_(eval_split) {
+  check_sort_len(max_len);
+}
+
+SortProblem SortTask::problem(int64_t index) const {
+  return draw_sort_problem(max_len_, static_cast<uint64_t>(seed_), eval_, index);
+}
+
+Sample SortTask::get(int64_t index) const {
+  const SortProblem p = problem(index);
+  return qa_sample(p.prompt(), p.answer(), tok_);
+}
+
+std::vector<EvalProblem> sort_eval_problems(int64_t max_len, int64_t seed, int64_t n, const Tokenizer& tok) {
+  std::vector<EvalProblem> out;
+  out.reserve(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  for (int64_t i = 0; i < n; ++i) {
+    SortProblem p = draw_sort_problem(max_len, static_cast<uint64_t>(seed), true, i);
+    out.push_back(eval_problem(p.prompt(), p.answer(), tok));
+  }
+  return out;
 }
 
 // ---- LmTask: a toy grammar ------------------------------------------------------------------------
@@ -182,7 +262,8 @@ std::string sentence(CounterRng& rng) {
 
 }  // namespace
 
-LmTask::LmTask(int64_t seq_len, int64_t seed, const Tokenizer& tok, const std::string& stream, int64_t min_len)
+LmTask::LmTask(int64_t seq_len, int64_t seed, const Tokenizer& tok, const std::string& stream,
+               int64_t min_len)
     : seq_len_(seq_len), seed_(seed), min_len_(min_len), tok_(tok), stream_(stable_hash("lm/" + stream)) {
   NDT_CHECK(seq_len >= 1, "lm task: seq_len must be >= 1 (got {})", seq_len);
   NDT_CHECK(min_len >= 0 && min_len <= seq_len, "lm task: min_len {} must be in [0, seq_len = {}]", min_len,

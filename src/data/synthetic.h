@@ -1,10 +1,11 @@
 #pragma once
-// Embedded synthetic tasks (no files needed): multi-digit addition and a toy-grammar language model.
-// Both are unbounded generators (size() = -1): sample `index` is a pure function of (seed, index), so
-// every rank that asks for the same global index builds the same sample (DESIGN.md §1).
-// The tasks keep a reference to their tokenizer: it must outlive them.
+// Embedded synthetic tasks (no files needed): multi-digit addition, digit sorting and a toy-grammar
+// language model. All are unbounded generators (size() = -1): sample `index` is a pure function of (seed,
+// index), so every rank that asks for the same global index builds the same sample (DESIGN.md §1). The tasks
+// keep a reference to their tokenizer: it must outlive them.
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "data/dataset.h"
@@ -51,6 +52,48 @@ class AdditionTask final : public Dataset {
 std::vector<EvalProblem> addition_eval_problems(int64_t digits, int64_t seed, int64_t n,
                                                 const Tokenizer& tok);
 std::vector<EvalProblem> addition_eval_problems(int64_t digits, int64_t seed, int64_t n);
+
+// One sort problem: a list of single digits (repeats allowed) to be written in ascending order.
+struct SortProblem {
+  std::vector<int> digits;
+  std::string prompt() const;  // "sort 3 1 2="
+  std::string answer() const;  // "123": the digits ascending, no separators (one byte token each)
+};
+
+// Longest list of the sort task: it reuses data.addition_digits (d) as its difficulty knob, lists of
+// 2..d+2 digits (2..5 by default).
+inline int64_t sort_max_len(int64_t addition_digits) { return addition_digits + 2; }
+
+// 1 in 10 texts, by a hash of the text alone (seed-independent): the held-out splits of the sort task and
+// of post-training JSONL prompts. stable_hash is finalized (splitmix64) first: FNV-1a's low bit is the
+// parity of the text's byte low bits, so `% 10` on it alone would hold out e.g. only lists with an even
+// count of odd digits (as addition_is_eval does; kept for its fixed held-out set).
+bool is_held_out_text(std::string_view text);
+
+// Held-out split: a list is an eval problem iff is_held_out_text(prompt()).
+bool sort_is_eval(const SortProblem& p);
+
+// Draws one problem of the chosen split for (seed, index): length uniform in 2..max_len, then each digit
+// uniform in 0..9; problems of the other split are rejected and redrawn from the same counter stream.
+SortProblem draw_sort_problem(int64_t max_len, uint64_t seed, bool eval_split, int64_t index);
+
+// Tokens: [BOS] + "sort 3 1 2=" + "123" + [EOS]; loss_mask = 1 exactly on the answer and EOS.
+class SortTask final : public Dataset {
+ public:
+  // eval_split: as AdditionTask (sample i is the problem of sort_eval_problems(..)[i]).
+  SortTask(int64_t max_len, int64_t seed, const Tokenizer& tok, bool eval_split = false);
+  int64_t size() const override { return -1; }
+  Sample get(int64_t index) const override;
+  SortProblem problem(int64_t index) const;
+
+ private:
+  int64_t max_len_, seed_;
+  const Tokenizer& tok_;
+  bool eval_;
+};
+
+// The first n eval-split sort problems as prompts [BOS] + "sort ...=" and answers (may repeat).
+std::vector<EvalProblem> sort_eval_problems(int64_t max_len, int64_t seed, int64_t n, const Tokenizer& tok);
 
 // Plain language modelling on sentences of a small embedded grammar with learnable structure
 // (subject-verb number agreement, "and" lists, counting phrases), e.g. "the small cat sees a dog ."

@@ -1,7 +1,12 @@
 #include "posttrain/preferences.h"
 
-#include <fstream>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <functional>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "core/check.h"
 #include "core/rng.h"
@@ -18,24 +23,34 @@ std::vector<int32_t> with_eos(const Tokenizer& tok, const std::string& text) {
   return ids;
 }
 
-// Pairs from a reward task's training prompts: one digit of the answer moved by 1..9 (mod 10).
+// One digit of a reversed-digit answer moved by +-1; the most significant digit never becomes a leading 0.
+std::string digit_slip(std::string r, CounterRng& rng) {
+  const auto at = static_cast<size_t>(rng.uniform_int(0, static_cast<int64_t>(r.size()) - 1));
+  const int d = r[at] - '0', delta = rng.uniform_int(0, 1) ? 1 : -1;
+  int nd = (d + delta + 10) % 10;
+  if (nd == 0 && at + 1 == r.size() && r.size() > 1) nd = d - delta;  // d is 1 or 9 here: 2 or 8
+  r[at] = static_cast<char>('0' + nd);
+  return r;
+}
+
+// Pairs on the training prompts of an embedded task: make(index) gives (prompt text, chosen, rejected).
 class TaskPairs final : public PreferenceData {
  public:
-  TaskPairs(std::unique_ptr<RewardTask> task, uint64_t seed, const Tokenizer& tok)
-      : task_(std::move(task)), seed_(seed), tok_(tok) {}
+  using Make = std::function<std::array<std::string, 3>(int64_t)>;
+  TaskPairs(Make make, const Tokenizer& tok) : make_(std::move(make)), tok_(tok) {}
   int64_t size() const override { return -1; }
   PreferencePair get(int64_t index) const override {
-    const RlPrompt p = task_->prompt(index);
-    CounterRng rng(seed_ ^ 0xd90u, static_cast<uint64_t>(index));
-    std::string wrong = p.answer;
-    const auto at = static_cast<size_t>(rng.uniform_int(0, static_cast<int64_t>(wrong.size()) - 1));
-    wrong[at] = static_cast<char>('0' + (wrong[at] - '0' + rng.uniform_int(1, 9)) % 10);
-    return {p.prompt, with_eos(tok_, p.answer), with_eos(tok_, wrong)};
+    const auto [prompt, chosen, rejected] = make_(index);
+    PreferencePair p;
+    p.prompt.push_back(tok_.bos_id());
+    for (int32_t t : tok_.encode(prompt)) p.prompt.push_back(t);
+    p.chosen = with_eos(tok_, chosen);
+    p.rejected = with_eos(tok_, rejected);
+    return p;
   }
 
  private:
-  std::unique_ptr<RewardTask> task_;
-  uint64_t seed_;
+  Make make_;
   const Tokenizer& tok_;
 };
 
@@ -52,7 +67,84 @@ class JsonlPairs final : public PreferenceData {
   std::vector<PreferencePair> pairs_;
 };
 
+Result<std::unique_ptr<PreferenceData>> load_jsonl_pairs(const std::string& path, const Tokenizer& tok) {
+  if (path.empty()) return Status::error("posttrain.task jsonl needs posttrain.data_path");
+  std::vector<PreferencePair> pairs;
+  Status st = read_jsonl(path, "preference pairs", [&](const nlohmann::json& j, int64_t) -> std::string {
+    if (!j.is_object()) return "expected a JSON object {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}";
+    for (const char* k : {"prompt", "chosen", "rejected"}) {
+      if (!j.contains(k)) return fmt::format("\"{}\" is missing", k);
+      if (!j[k].is_string()) return fmt::format("\"{}\" must be a string", k);
+    }
+    const std::string c = j["chosen"].get<std::string>(), r = j["rejected"].get<std::string>();
+    if (c == r) return "\"chosen\" and \"rejected\" are the same text (the pair carries no preference)";
+    pairs.push_back(
+        {sft_prompt_tokens(tok, j["prompt"].get<std::string>()), with_eos(tok, c), with_eos(tok, r)});
+    return "";
+  });
+  if (!st) return st;
+  return std::unique_ptr<PreferenceData>(new JsonlPairs(std::move(pairs)));
+}
+
 }  // namespace
+
+std::string wrong_addition_answer(const AdditionProblem& p, uint64_t key) {
+  CounterRng rng(key, stable_hash("pairs/wrong_addition"));
+  const std::string right = p.reversed_answer();
+  std::string a = std::to_string(p.a), b = std::to_string(p.b);
+  std::reverse(a.begin(), a.end());
+  std::reverse(b.begin(), b.end());
+  const size_t n = std::max(a.size(), b.size());
+  std::string wrong;
+  switch (rng.uniform_int(0, 2)) {
+    case 1:  // every carry dropped: digit-wise sums mod 10
+      for (size_t i = 0; i < n; ++i) {
+        const int x = i < a.size() ? a[i] - '0' : 0, y = i < b.size() ? b[i] - '0' : 0;
+        wrong += static_cast<char>('0' + (x + y) % 10);
+      }
+      break;
+    case 2:  // the final carry digit dropped
+      if (right.size() > n) wrong = right.substr(0, n);
+      break;
+    default:
+      break;
+  }
+  // Mistakes that need a carry fall back to a digit slip on carry-free sums.
+  if (wrong.empty() || wrong == right) wrong = digit_slip(right, rng);
+  NDT_CHECK(wrong != right, "wrong addition answer equals the right one for {}", p.prompt());
+  return wrong;
+}
+
+std::string wrong_sort_answer(const SortProblem& p, uint64_t key) {
+  CounterRng rng(key, stable_hash("pairs/wrong_sort"));
+  const std::string right = p.answer();
+  std::string wrong;
+  switch (rng.uniform_int(0, 2)) {
+    case 0: {  // two adjacent different digits swapped
+      std::vector<size_t> at;
+      for (size_t i = 0; i + 1 < right.size(); ++i)
+        if (right[i] != right[i + 1]) at.push_back(i);
+      if (!at.empty()) {
+        const size_t i = at[static_cast<size_t>(rng.uniform_int(0, static_cast<int64_t>(at.size()) - 1))];
+        wrong = right;
+        std::swap(wrong[i], wrong[i + 1]);
+      }
+      break;
+    }
+    case 1:  // the input order echoed
+      for (int d : p.digits) wrong += static_cast<char>('0' + d);
+      break;
+    default:
+      break;
+  }
+  // One digit left out: always wrong (the length differs), the fallback when the others are not.
+  if (wrong.empty() || wrong == right) {
+    wrong = right;
+    wrong.erase(static_cast<size_t>(rng.uniform_int(0, static_cast<int64_t>(right.size()) - 1)), 1);
+  }
+  NDT_CHECK(wrong != right, "wrong sort answer equals the right one for {}", p.prompt());
+  return wrong;
+}
 
 Sample prompt_response_sample(const std::vector<int32_t>& prompt, const std::vector<int32_t>& response) {
   Sample s;
@@ -65,36 +157,29 @@ Sample prompt_response_sample(const std::vector<int32_t>& prompt, const std::vec
 
 Result<std::unique_ptr<PreferenceData>> make_preference_data(const Config& cfg, const Tokenizer& tok) {
   const PosttrainConfig& pc = cfg.posttrain;
-  if (pc.task != "jsonl") {
-    auto task = make_reward_task(cfg, tok);
-    if (!task) return task.status();
-    return std::unique_ptr<PreferenceData>(
-        new TaskPairs(std::move(task.value()), static_cast<uint64_t>(cfg.data.seed), tok));
+  if (pc.task == "jsonl") return load_jsonl_pairs(pc.data_path, tok);
+  const int64_t digits = cfg.data.addition_digits;
+  if ((pc.task == "addition" || pc.task == "sort") && (digits < 1 || digits > 18))
+    return Status::error(fmt::format("data.addition_digits must be in 1..18 (got {})", digits));
+  const auto seed = static_cast<uint64_t>(cfg.data.seed);
+  static const uint64_t kStream = stable_hash("pairs/key");
+  // The mistake's key: independent of the problem's own stream, a pure function of (seed, index).
+  auto key = [seed](int64_t i) { return philox_u64(seed, kStream, static_cast<uint64_t>(i)); };
+  TaskPairs::Make make;
+  if (pc.task == "addition") {
+    make = [digits, seed, key](int64_t i) {
+      const AdditionProblem p = draw_addition_problem(digits, seed, false, i);
+      return std::array<std::string, 3>{p.prompt(), p.reversed_answer(), wrong_addition_answer(p, key(i))};
+    };
+  } else if (pc.task == "sort") {
+    make = [max_len = sort_max_len(digits), seed, key](int64_t i) {
+      const SortProblem p = draw_sort_problem(max_len, seed, false, i);
+      return std::array<std::string, 3>{p.prompt(), p.answer(), wrong_sort_answer(p, key(i))};
+    };
+  } else {
+    return Status::error(fmt::format("posttrain.task is '{}'; expected addition, sort or jsonl", pc.task));
   }
-  const std::string& path = pc.data_path;
-  if (path.empty()) return Status::error("posttrain.task jsonl needs posttrain.data_path");
-  std::ifstream f(path);
-  if (!f) return Status::error(fmt::format("posttrain.data_path '{}': cannot open file", path));
-  std::vector<PreferencePair> pairs;
-  std::string line;
-  int64_t lineno = 0;
-  while (std::getline(f, line)) {
-    ++lineno;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) return Status::error(fmt::format("{}:{}: invalid JSON", path, lineno));
-    for (const char* k : {"prompt", "chosen", "rejected"})
-      if (!j.is_object() || !j.contains(k) || !j[k].is_string())
-        return Status::error(fmt::format("{}:{}: \"{}\" must be a string", path, lineno, k));
-    const std::string c = j["chosen"].get<std::string>(), r = j["rejected"].get<std::string>();
-    if (c == r)
-      return Status::error(fmt::format("{}:{}: chosen and rejected are the same text", path, lineno));
-    pairs.push_back(
-        {sft_prompt_tokens(tok, j["prompt"].get<std::string>()), with_eos(tok, c), with_eos(tok, r)});
-  }
-  if (pairs.empty())
-    return Status::error(fmt::format("posttrain.data_path '{}': empty file (no pairs)", path));
-  return std::unique_ptr<PreferenceData>(new JsonlPairs(std::move(pairs)));
+  return std::unique_ptr<PreferenceData>(new TaskPairs(std::move(make), tok));
 }
 
 }  // namespace ndt

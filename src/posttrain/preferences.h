@@ -1,12 +1,15 @@
 #pragma once
-// Preference pairs for DPO (docs/data.md, "Post-training data"): generated from an embedded task's
-// training prompts (chosen = the correct answer, rejected = a wrong one), or read from JSONL.
+// Preference pairs for DPO (docs/data.md, "Post-training data and rewards"): generated from an embedded
+// task's training prompts (chosen = the correct answer, rejected = a plausible wrong one), or read from
+// JSONL.
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/status.h"
 #include "data/dataset.h"
+#include "data/synthetic.h"
 #include "data/tokenizer.h"
 #include "train/config.h"
 
@@ -25,14 +28,20 @@ class PreferenceData {
   virtual PreferencePair get(int64_t index) const = 0;
 };
 
-// posttrain.task "addition" / "sort": pairs from the task's training prompts; the rejected answer changes
-// one character of the correct one (a digit off by 1..9, chosen by (seed, index)). "jsonl":
-// posttrain.data_path lines {"prompt", "chosen", "rejected"} (prompt through sft_prompt_tokens, responses
-// tokenized + EOS); errors name file and line (invalid JSON, missing or non-string fields, chosen ==
-// rejected, empty file).
+// posttrain.task "addition" / "sort": pair i is built on training prompt i of make_reward_task's task
+// (same prompt tokens); chosen = its answer, rejected = wrong_*_answer keyed by (data.seed, i).
+// "jsonl": posttrain.data_path lines {"prompt", "chosen", "rejected"} (prompt through sft_prompt_tokens,
+// responses tokenized + EOS); errors name file and line (invalid JSON, missing or non-string fields,
+// chosen == rejected, empty file).
 Result<std::unique_ptr<PreferenceData>> make_preference_data(const Config& cfg, const Tokenizer& tok);
 
-// prompt + response as a sample whose loss mask is 1 exactly on the response tokens.
+// Sample (tokens + loss mask) of prompt + response: loss mask 1 exactly on the response tokens (incl. EOS).
 Sample prompt_response_sample(const std::vector<int32_t>& prompt, const std::vector<int32_t>& response);
+
+// Plausible wrong answers, always different from the correct one; `key` picks the mistake. Addition
+// (reversed digits): one digit off by one, all carries dropped, or the final carry digit dropped. Sort: two
+// adjacent different digits swapped, the input order echoed, or one digit left out.
+std::string wrong_addition_answer(const AdditionProblem& p, uint64_t key);
+std::string wrong_sort_answer(const SortProblem& p, uint64_t key);
 
 }  // namespace ndt

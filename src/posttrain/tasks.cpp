@@ -1,14 +1,17 @@
 #include "posttrain/tasks.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "data/dataset.h"
 #include "data/sft.h"
-#include "data/synthetic.h"
 
 namespace ndt {
 
@@ -20,16 +23,39 @@ std::string trim(const std::string& s) {
   return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
 }
 
+// The whole (trimmed) text as a finite number; from_chars, unlike strtod, takes no hex, inf or nan.
+bool parse_number(const std::string& text, double& out) {
+  std::string t = trim(text);
+  if (!t.empty() && t[0] == '+') t.erase(0, 1);
+  if (t.empty()) return false;
+  const auto r = std::from_chars(t.data(), t.data() + t.size(), out);
+  return r.ec == std::errc() && r.ptr == t.data() + t.size() && std::isfinite(out);
+}
+
 std::vector<int32_t> bos_prompt(const Tokenizer& tok, const std::string& text) {
   std::vector<int32_t> ids{tok.bos_id()};
   for (int32_t t : tok.encode(text)) ids.push_back(t);
   return ids;
 }
 
+// Tokens of a digit answer of up to `chars` digits, + EOS: exact for the byte tokenizer; the max with an
+// encoded run of 9s covers subword tokenizers that add a word-start piece.
+int64_t digit_budget(const Tokenizer& tok, int64_t chars) {
+  const auto enc = static_cast<int64_t>(tok.encode(std::string(static_cast<size_t>(chars), '9')).size());
+  return std::max(chars, enc) + 1;
+}
+
+std::vector<RlPrompt> to_rl(const std::vector<EvalProblem>& problems) {
+  std::vector<RlPrompt> out;
+  out.reserve(problems.size());
+  for (const EvalProblem& e : problems) out.push_back({e.prompt, e.answer});
+  return out;
+}
+
 class AdditionRewardTask final : public RewardTask {
  public:
   AdditionRewardTask(int64_t digits, int64_t seed, const Tokenizer& tok)
-      : digits_(digits), seed_(seed), tok_(tok) {}
+      : digits_(digits), seed_(seed), tok_(tok), budget_(digit_budget(tok, digits + 1)) {}
   std::string name() const override { return "addition"; }
   int64_t size() const override { return -1; }
   RlPrompt prompt(int64_t index) const override {
@@ -37,146 +63,158 @@ class AdditionRewardTask final : public RewardTask {
     return {bos_prompt(tok_, p.prompt()), p.reversed_answer()};
   }
   std::vector<RlPrompt> eval_prompts(int64_t n) const override {
-    std::vector<RlPrompt> out;
-    for (const EvalProblem& e : addition_eval_problems(digits_, seed_, n, tok_))
-      out.push_back({e.prompt, e.answer});
-    return out;
+    return to_rl(addition_eval_problems(digits_, seed_, n, tok_));
   }
   double reward(const RlPrompt& p, const std::string& c) const override { return c == p.answer ? 1.0 : 0.0; }
-  int64_t max_answer_tokens() const override { return digits_ + 2; }  // digits + carry + EOS
+  int64_t max_answer_tokens() const override { return budget_; }
 
  private:
   int64_t digits_, seed_;
   const Tokenizer& tok_;
+  int64_t budget_;
 };
 
 class SortRewardTask final : public RewardTask {
  public:
   SortRewardTask(int64_t max_len, int64_t seed, const Tokenizer& tok)
-      : max_len_(max_len), seed_(seed), tok_(tok) {}
+      : max_len_(max_len), seed_(seed), tok_(tok), budget_(digit_budget(tok, max_len)) {}
   std::string name() const override { return "sort"; }
   int64_t size() const override { return -1; }
   RlPrompt prompt(int64_t index) const override {
-    return make(draw_sort_problem(max_len_, seed_, false, index));
+    const SortProblem p = draw_sort_problem(max_len_, static_cast<uint64_t>(seed_), false, index);
+    return {bos_prompt(tok_, p.prompt()), p.answer()};
   }
   std::vector<RlPrompt> eval_prompts(int64_t n) const override {
-    std::vector<RlPrompt> out;
-    for (int64_t i = 0; i < n; ++i) out.push_back(make(draw_sort_problem(max_len_, seed_, true, i)));
-    return out;
+    return to_rl(sort_eval_problems(max_len_, seed_, n, tok_));
   }
   double reward(const RlPrompt& p, const std::string& c) const override { return c == p.answer ? 1.0 : 0.0; }
-  int64_t max_answer_tokens() const override { return max_len_ + 1; }
+  int64_t max_answer_tokens() const override { return budget_; }
 
  private:
-  RlPrompt make(const SortProblem& p) const { return {bos_prompt(tok_, p.prompt()), p.answer()}; }
   int64_t max_len_, seed_;
   const Tokenizer& tok_;
+  int64_t budget_;
 };
 
 class JsonlRewardTask final : public RewardTask {
  public:
-  JsonlRewardTask(std::vector<RlPrompt> prompts, std::string rule, int64_t max_tokens)
-      : prompts_(std::move(prompts)), rule_(std::move(rule)), max_tokens_(max_tokens) {}
+  JsonlRewardTask(std::vector<RlPrompt> train, std::vector<RlPrompt> eval, std::string rule, int64_t budget,
+                  int64_t seed, bool shuffle)
+      : train_(std::move(train)),
+        eval_(std::move(eval)),
+        rule_(std::move(rule)),
+        budget_(budget),
+        seed_(seed),
+        shuffle_(shuffle) {}
   std::string name() const override { return "jsonl"; }
-  int64_t size() const override { return static_cast<int64_t>(prompts_.size()); }
+  int64_t size() const override { return static_cast<int64_t>(train_.size()); }
   RlPrompt prompt(int64_t index) const override {
-    return prompts_[static_cast<size_t>(index % static_cast<int64_t>(prompts_.size()))];
+    NDT_CHECK(index >= 0, "negative prompt index {}", index);
+    // As one-sample steps of the SFT data order: epoch-wise permutations of the file.
+    return train_[static_cast<size_t>(sample_index(seed_, index, 0, 1, size(), shuffle_))];
   }
-  // A file has no held-out split of its own: evaluation uses its first n prompts.
   std::vector<RlPrompt> eval_prompts(int64_t n) const override {
-    return {prompts_.begin(), prompts_.begin() + std::min<int64_t>(n, size())};
+    const auto k = static_cast<size_t>(std::clamp<int64_t>(n, 0, static_cast<int64_t>(eval_.size())));
+    return {eval_.begin(), eval_.begin() + static_cast<std::ptrdiff_t>(k)};
   }
   double reward(const RlPrompt& p, const std::string& c) const override {
     return rule_reward(rule_, p.answer, c);
   }
-  int64_t max_answer_tokens() const override { return max_tokens_; }
+  int64_t max_answer_tokens() const override { return budget_; }
 
  private:
-  std::vector<RlPrompt> prompts_;
+  std::vector<RlPrompt> train_, eval_;
   std::string rule_;
-  int64_t max_tokens_;
+  int64_t budget_, seed_;
+  bool shuffle_;
 };
+
+Result<std::unique_ptr<RewardTask>> load_jsonl_task(const Config& cfg, const Tokenizer& tok) {
+  const PosttrainConfig& pc = cfg.posttrain;
+  const std::string& path = pc.data_path;
+  if (path.empty()) return Status::error("posttrain.task jsonl needs posttrain.data_path");
+  if (pc.reward != "exact_match" && pc.reward != "contains" && pc.reward != "numeric")
+    return Status::error(
+        fmt::format("posttrain.reward is '{}'; expected exact_match, contains or numeric", pc.reward));
+  std::vector<RlPrompt> train, eval;
+  int64_t budget = 1;
+  Status st = read_jsonl(path, "prompts", [&](const nlohmann::json& j, int64_t) -> std::string {
+    if (!j.is_object()) return "expected a JSON object {\"prompt\": ..., \"answer\": ...}";
+    if (!j.contains("prompt")) return "\"prompt\" is missing";
+    if (!j.contains("answer")) return "\"answer\" is missing";
+    if (!j["prompt"].is_string()) return "\"prompt\" must be a string";
+    const auto& a = j["answer"];
+    if (!a.is_string() && !a.is_number()) return "\"answer\" must be a string or a number";
+    const std::string prompt = j["prompt"].get<std::string>();
+    const std::string answer = a.is_string() ? a.get<std::string>() : a.dump();
+    // An empty answer is contained in every completion: a reward that cannot fail teaches nothing.
+    if (trim(answer).empty()) return "\"answer\" is empty";
+    double x = 0;
+    if (pc.reward == "numeric" && !parse_number(answer, x))
+      return fmt::format("\"answer\" '{}' is not a number (posttrain.reward: numeric)", answer);
+    RlPrompt p{sft_prompt_tokens(tok, prompt), answer};
+    (is_held_out_text(prompt) ? eval : train).push_back(std::move(p));
+    budget = std::max<int64_t>(budget, static_cast<int64_t>(tok.encode(answer).size()) + 1);
+    return "";
+  });
+  if (!st) return st;
+  if (train.empty())
+    return Status::error(
+        fmt::format("posttrain.data_path '{}': all {} prompt(s) fall in the held-out split (1 in 10 by a "
+                    "hash of the prompt), none is left to train on; add prompts",
+                    path, eval.size()));
+  return std::unique_ptr<RewardTask>(new JsonlRewardTask(std::move(train), std::move(eval), pc.reward, budget,
+                                                         cfg.data.seed, cfg.data.shuffle));
+}
 
 }  // namespace
 
-std::string SortProblem::prompt() const {
-  std::string s = "sort";
-  for (int d : digits) s += " " + std::to_string(d);
-  return s + "=";
-}
-
-std::string SortProblem::answer() const {
-  std::vector<int> v = digits;
-  std::sort(v.begin(), v.end());
-  std::string s;
-  for (int d : v) s += static_cast<char>('0' + d);
-  return s;
-}
-
-SortProblem draw_sort_problem(int64_t max_len, uint64_t seed, bool eval_split, int64_t index) {
-  NDT_CHECK(max_len >= 2, "sort task: lists need at least 2 digits (max_len {})", max_len);
-  CounterRng rng(seed ^ 0x5e11u, (static_cast<uint64_t>(index) << 1) | (eval_split ? 1u : 0u));
-  for (;;) {  // rejection keeps the two splits disjoint
-    SortProblem p;
-    const int64_t n = rng.uniform_int(2, max_len);
-    for (int64_t i = 0; i < n; ++i) p.digits.push_back(static_cast<int>(rng.uniform_int(0, 9)));
-    if ((stable_hash(p.prompt()) % 10 == 0) == eval_split) return p;
-  }
-}
-
 double rule_reward(const std::string& rule, const std::string& answer, const std::string& completion) {
-  const std::string a = trim(answer), c = trim(completion);
-  if (rule == "exact_match") return a == c ? 1.0 : 0.0;
-  if (rule == "contains") return c.find(a) != std::string::npos ? 1.0 : 0.0;
+  if (rule == "exact_match") return trim(answer) == trim(completion) ? 1.0 : 0.0;
+  if (rule == "contains") {
+    const std::string a = trim(answer);
+    NDT_CHECK(!a.empty(), "contains reward: empty answer");
+    return completion.find(a) != std::string::npos ? 1.0 : 0.0;
+  }
   if (rule == "numeric") {
-    char* end = nullptr;
-    const double x = std::strtod(a.c_str(), &end);
-    NDT_CHECK(end && *end == '\0' && !a.empty(), "numeric reward: the answer '{}' is not a number", a);
-    const double y = std::strtod(c.c_str(), &end);
-    if (c.empty() || *end != '\0') return 0.0;  // a completion that is no number earns nothing
-    return std::abs(x - y) <= 1e-6 * std::max(1.0, std::abs(x)) ? 1.0 : 0.0;
+    double a = 0, c = 0;
+    NDT_CHECK(parse_number(answer, a), "numeric reward: the answer '{}' is not a number", answer);
+    if (!parse_number(completion, c)) return 0.0;
+    return std::abs(a - c) <= 1e-6 * std::max(std::abs(a), std::abs(c)) ? 1.0 : 0.0;
   }
   NDT_FAIL("unknown reward rule '{}' (exact_match, contains, numeric)", rule);
 }
 
-Result<std::unique_ptr<RewardTask>> make_reward_task(const Config& cfg, const Tokenizer& tok) {
-  const PosttrainConfig& pc = cfg.posttrain;
-  if (pc.task == "addition")
-    return std::unique_ptr<RewardTask>(new AdditionRewardTask(cfg.data.addition_digits, cfg.data.seed, tok));
-  if (pc.task == "sort")
-    return std::unique_ptr<RewardTask>(new SortRewardTask(cfg.data.addition_digits + 2, cfg.data.seed, tok));
-  if (pc.task != "jsonl")
-    return Status::error(fmt::format("posttrain.task '{}' is not a reward task", pc.task));
-  const std::string& path = pc.data_path;
-  if (path.empty()) return Status::error("posttrain.task jsonl needs posttrain.data_path");
+Status read_jsonl(const std::string& path, const std::string& what,
+                  const std::function<std::string(const nlohmann::json&, int64_t)>& on_line) {
   std::ifstream f(path);
-  if (!f) return Status::error(fmt::format("posttrain.data_path '{}': cannot open file", path));
-  std::vector<RlPrompt> prompts;
-  int64_t max_tokens = 1, lineno = 0;
+  if (!f) return Status::error(fmt::format("posttrain data '{}': cannot open file", path));
   std::string line;
+  int64_t lineno = 0, lines = 0;
   while (std::getline(f, line)) {
     ++lineno;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    ++lines;
     auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded()) return Status::error(fmt::format("{}:{}: invalid JSON", path, lineno));
-    for (const char* k : {"prompt", "answer"})
-      if (!j.is_object() || !j.contains(k) || !j[k].is_string())
-        return Status::error(fmt::format("{}:{}: \"{}\" must be a string", path, lineno, k));
-    const std::string answer = j["answer"].get<std::string>();
-    if (pc.reward == "numeric") {
-      char* end = nullptr;
-      const std::string a = trim(answer);
-      std::strtod(a.c_str(), &end);
-      if (a.empty() || *end != '\0')
-        return Status::error(fmt::format("{}:{}: answer '{}' is not a number (posttrain.reward numeric)",
-                                         path, lineno, answer));
-    }
-    prompts.push_back({sft_prompt_tokens(tok, j["prompt"].get<std::string>()), answer});
-    max_tokens = std::max<int64_t>(max_tokens, static_cast<int64_t>(tok.encode(answer).size()) + 1);
+    const std::string err = on_line(j, lineno);
+    if (!err.empty()) return Status::error(fmt::format("{}:{}: {}", path, lineno, err));
   }
-  if (prompts.empty())
-    return Status::error(fmt::format("posttrain.data_path '{}': empty file (no prompts)", path));
-  return std::unique_ptr<RewardTask>(new JsonlRewardTask(std::move(prompts), pc.reward, max_tokens));
+  if (lines == 0) return Status::error(fmt::format("posttrain data '{}': empty file (no {})", path, what));
+  return Status::ok();
+}
+
+Result<std::unique_ptr<RewardTask>> make_reward_task(const Config& cfg, const Tokenizer& tok) {
+  const PosttrainConfig& pc = cfg.posttrain;
+  const int64_t digits = cfg.data.addition_digits;
+  if ((pc.task == "addition" || pc.task == "sort") && (digits < 1 || digits > 18))
+    return Status::error(fmt::format("data.addition_digits must be in 1..18 (got {})", digits));
+  if (pc.task == "addition")
+    return std::unique_ptr<RewardTask>(new AdditionRewardTask(digits, cfg.data.seed, tok));
+  if (pc.task == "sort")
+    return std::unique_ptr<RewardTask>(new SortRewardTask(sort_max_len(digits), cfg.data.seed, tok));
+  if (pc.task == "jsonl") return load_jsonl_task(cfg, tok);
+  return Status::error(fmt::format("posttrain.task is '{}'; expected addition, sort or jsonl", pc.task));
 }
 
 }  // namespace ndt

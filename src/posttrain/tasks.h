@@ -1,51 +1,64 @@
 #pragma once
-// Verifiable tasks for GRPO (docs/data.md, "Post-training data"): prompts by global index (a pure function
-// of (seed, index), so every rank builds the same), a held-out split, and a reward of a completion.
+// Verifiable tasks for GRPO (docs/data.md, "Post-training data and rewards"): prompts by global index (a
+// pure function of (seed, index), so every rank builds the same), a held-out split, and a reward of a
+// completion.
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
 #include "core/status.h"
+#include "data/synthetic.h"
 #include "data/tokenizer.h"
 #include "train/config.h"
 
 namespace ndt {
 
 struct RlPrompt {
-  std::vector<int32_t> prompt;  // tokens fed to generation
-  std::string answer;           // the reference answer text
+  std::vector<int32_t> prompt;  // tokens fed to generation: [BOS] + prompt text (+ delimiter)
+  std::string answer;           // reference answer text (what exact match compares with)
 };
 
 class RewardTask {
  public:
   virtual ~RewardTask() = default;
   virtual std::string name() const = 0;
-  virtual int64_t size() const = 0;                                 // -1 = unbounded generator
-  virtual RlPrompt prompt(int64_t index) const = 0;                 // training prompts (never held-out ones)
-  virtual std::vector<RlPrompt> eval_prompts(int64_t n) const = 0;  // the first n held-out prompts
+  virtual int64_t size() const = 0;  // -1 = unbounded generator
+  // Training prompts (never held-out ones). A finite task accepts any index >= 0: indices past size()
+  // run through further epochs, each a Philox permutation of the prompts (file order when !data.shuffle).
+  virtual RlPrompt prompt(int64_t index) const = 0;
+  // The first n held-out prompts (fewer when a file holds fewer; unbounded tasks may repeat prompts).
+  virtual std::vector<RlPrompt> eval_prompts(int64_t n) const = 0;
   // Reward of a completion's text (decoded, stop token removed). May throw; callers report it.
   virtual double reward(const RlPrompt& p, const std::string& completion) const = 0;
-  virtual int64_t max_answer_tokens() const = 0;  // a generation budget that fits every answer (+ EOS)
+  virtual int64_t max_answer_tokens() const = 0;  // generation budget that fits every answer (+ EOS)
 };
 
-// posttrain.task: "addition" (data.addition_digits, data.seed: the prompts and reversed-digit answers of
-// data/synthetic.h; reward 1 for the exact answer, else 0), "sort" (digits to sort, below), "jsonl"
-// (posttrain.data_path: lines {"prompt": P, "answer": A}; the prompt through sft_prompt_tokens; reward
-// posttrain.reward: exact_match after trimming whitespace, contains, numeric within 1e-6 relative).
+// posttrain.task:
+//   "addition": data.addition_digits, data.seed; the prompts and reversed-digit answers of data/synthetic.h
+//               ([BOS] "a+b="), reward 1 for the exact answer, else 0.
+//   "sort":     lists of 2..sort_max_len(data.addition_digits) digits ([BOS] "sort 3 1 2=", answer "123"),
+//               reward 1 for the exact answer, else 0.
+//   "jsonl":    posttrain.data_path, lines {"prompt": P, "answer": A} (A a string or a number); the prompt
+//               is sft_prompt_tokens(tok, P), the reward rule_reward(posttrain.reward, A, completion).
+//               Held out: the lines with is_held_out_text(P) (1 in 10; identical prompts share a split).
 // Errors name the file and its 1-based line.
 Result<std::unique_ptr<RewardTask>> make_reward_task(const Config& cfg, const Tokenizer& tok);
 
-// The sort task: 2..max_len digits ("sort 3 1 2=") whose answer is the digits ascending ("123"). Its
-// held-out split: the lists whose stable hash is 0 mod 10. Also an SFT dataset (data.task: sort).
-struct SortProblem {
-  std::vector<int> digits;
-  std::string prompt() const;  // "sort 3 1 2="
-  std::string answer() const;  // "123"
-};
-SortProblem draw_sort_problem(int64_t max_len, uint64_t seed, bool eval_split, int64_t index);
-
-// Reward of a completion against an answer under posttrain.reward's rule (exact_match|contains|numeric).
+// Reward of a completion under posttrain.reward's rule, 1 or 0:
+//   exact_match: equal after trimming whitespace on both sides;
+//   contains:    the trimmed answer occurs in the completion;
+//   numeric:     both (trimmed) parse entirely as finite numbers and |a - c| <= 1e-6 max(|a|, |c|).
+// Throws on an unknown rule or an answer that is not a number under "numeric" (a completion that is not
+// a number just earns 0).
 double rule_reward(const std::string& rule, const std::string& answer, const std::string& completion);
+
+// Reads a JSONL file (blank lines skipped), calling on_line(json, line number) for each line; on_line
+// returns "" or an error text, which comes back prefixed with "path:line: ". Also an error: a file that
+// cannot be opened, invalid JSON, and a file without any line (`what` names its expected content).
+Status read_jsonl(const std::string& path, const std::string& what,
+                  const std::function<std::string(const nlohmann::json&, int64_t)>& on_line);
 
 }  // namespace ndt

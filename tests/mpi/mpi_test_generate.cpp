@@ -1,0 +1,85 @@
+// Generation layouts draw the same rollouts: generation TP over the ranks and data-parallel replicas
+// return the tokens (exactly) and logprobs (1e-5) of one process, with temperature-1 sampling.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/check.h"
+#include "dist/communicator.h"
+#include "generate/generator.h"
+#include "model/transformer.h"
+
+namespace ndt {
+namespace {
+
+Config tiny(const std::string& style, int64_t experts) {
+  Config c;
+  c.model.style = style;
+  c.model.vocab_size = 48;
+  c.model.d_model = 16;
+  c.model.n_layers = 2;
+  c.model.n_heads = 4;
+  c.model.n_kv_heads = style == "llama" ? 2 : 0;
+  c.model.d_ff = 32;
+  c.model.max_seq_len = 24;
+  c.model.init_std = 0.3;
+  c.model.moe.num_experts = experts;
+  return c;
+}
+
+void same_rollouts(const std::string& style, int64_t experts) {
+  auto world = make_mpi_world();
+  const Config cfg = tiny(style, experts);
+  Transformer ref(cfg.model, StageSpec{}, nullptr);
+  ref.params().init(17);
+  std::vector<std::pair<std::string, Tensor>> full;
+  for (const auto& p : ref.params().all()) full.emplace_back(p->name, p->value.clone());
+
+  // 5 prompts x 2 samples, prompts of different lengths; one rank alone is the reference.
+  std::vector<GenRequest> reqs;
+  for (uint64_t i = 0; i < 5; ++i) {
+    std::vector<int32_t> prompt;
+    for (uint64_t t = 0; t < 2 + 3 * i; ++t) prompt.push_back(static_cast<int32_t>((7 * i + 5 * t + 1) % 48));
+    for (uint64_t s = 0; s < 2; ++s) reqs.push_back({prompt, i, s});
+  }
+  SamplingParams sp;
+  sp.temperature = 1.0;
+  sp.top_k = 40;
+  sp.top_p = 0.95;
+  sp.max_new_tokens = 9;
+  sp.stop_ids = {3};
+  sp.seed = 11;
+  auto self = make_self_communicator();
+  Generator one(cfg, *self, GenLayout{1});
+  one.load_full(full);
+  const auto want = one.generate(reqs, sp, 2);
+
+  for (int64_t tp : {int64_t{1}, static_cast<int64_t>(world->size())}) {
+    Generator gen(cfg, *world, GenLayout{tp});
+    gen.load_full(full);
+    const auto got = gen.generate(reqs, sp, 2);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i].tokens, want[i].tokens) << style << " gen_tp=" << tp << " request " << i;
+      EXPECT_EQ(got[i].stopped, want[i].stopped) << "request " << i;
+      ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size());
+      for (size_t j = 0; j < want[i].logprobs.size(); ++j)
+        EXPECT_NEAR(got[i].logprobs[j], want[i].logprobs[j], 1e-5) << "request " << i << " token " << j;
+    }
+  }
+}
+
+TEST(GenerateLayouts, LlamaTpAndReplicasMatchOneRank) { same_rollouts("llama", 0); }
+TEST(GenerateLayouts, Gpt2TpAndReplicasMatchOneRank) { same_rollouts("gpt2", 0); }
+TEST(GenerateLayouts, MoeTpAndReplicasMatchOneRank) { same_rollouts("llama", 4); }
+
+TEST(GenerateLayouts, BadGenTpFailsOnEveryRank) {
+  auto world = make_mpi_world();
+  const Config cfg = tiny("llama", 0);
+  // Thrown before any collective on every rank (no rank waits for another).
+  EXPECT_THROW({ Generator g(cfg, *world, GenLayout{3}); }, Error);
+  world->barrier();
+}
+
+}  // namespace
+}  // namespace ndt
