@@ -62,13 +62,6 @@ Runner add_generate(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 16));
   cmd->add_option("--device", o->device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   return [o](Communicator& world) {
-    const std::filesystem::path dir(o->run_dir);
-    auto loaded = load_config((dir / "config.yaml").string(), {});
-    agree_or_throw(loaded.status(), world);
-    Config cfg = loaded.value();
-    cfg.train.device = o->device;
-    auto tok = make_tokenizer(cfg.data.tokenizer);
-    agree_or_throw(tok.status(), world);
     std::vector<std::string> texts = o->prompts;
     if (!o->input.empty()) {
       auto file = read_prompts(o->input);
@@ -78,6 +71,13 @@ Runner add_generate(CLI::App& app) {
     agree_or_throw(
         texts.empty() ? Status::error("generate: no prompts (give --prompt or --input)") : Status::ok(),
         world);
+    const std::filesystem::path dir(o->run_dir);
+    auto loaded = load_config((dir / "config.yaml").string(), {});
+    agree_or_throw(loaded.status(), world);
+    Config cfg = loaded.value();
+    cfg.train.device = o->device;
+    auto tok = make_tokenizer(cfg.data.tokenizer);
+    agree_or_throw(tok.status(), world);
 
     Generator gen(cfg, world, GenLayout{o->gen_tp});
     gen.load_full(read_weights(dir.string(), world));

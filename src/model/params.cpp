@@ -47,7 +47,8 @@ void copy_global_slices(ParamStore& store, const std::map<std::string, const Ten
     const int64_t off = p->shard_dim < 0 ? 0 : p->shard_offset;
     float* dst = p->value.f32();
     for (int64_t o = 0; o < outer; ++o)
-      std::memcpy(dst + o * run, src.f32() + (o * gdim + off) * inner, static_cast<size_t>(run) * sizeof(float));
+      std::memcpy(dst + o * run, src.f32() + (o * gdim + off) * inner,
+                  static_cast<size_t>(run) * sizeof(float));
   }
 }
 

@@ -1,0 +1,36 @@
+cmake_minimum_required(VERSION 3.25)
+# generate --input/--output: one JSONL line per (prompt, sample) with the expected fields, and the same
+# tokens from gen_tp=2 over two ranks as from one process (logprobs may differ in the last digits).
+# Usage: cmake -DNDTRAIN=bin -DRUN=dir -DIN=prompts.jsonl -DOUT=prefix -DMPIRUN="a|b|..." -P generate_jsonl.cmake
+set(args generate --run ${RUN} --input ${IN} -n 6 --temperature 1 --top-p 0.9 --samples 2 --seed 5)
+execute_process(COMMAND ${NDTRAIN} ${args} --output ${OUT}1.jsonl RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT out MATCHES "generated 4 completions")
+  message(FATAL_ERROR "generate failed (${rc}):\n${out}\n${err}")
+endif()
+string(REPLACE "|" ";" mpirun "${MPIRUN}")
+execute_process(COMMAND ${mpirun} -np 2 ${NDTRAIN} ${args} --gen-tp 2 --output ${OUT}2.jsonl RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT out MATCHES "generated 4 completions \\(gen_tp=2, 1 replicas\\)")
+  message(FATAL_ERROR "generate --gen-tp 2 failed (${rc}):\n${out}\n${err}")
+endif()
+# Read as strings, not lists: completions may hold ';'.
+foreach(i 1 2)
+  file(READ ${OUT}${i}.jsonl text_${i})
+  foreach(key "\n" "\"prompt\":" "\"sample\":" "\"completion\":" "\"tokens\":" "\"logprobs\":" "\"stopped\":")
+    string(REGEX MATCHALL "${key}" hits "${text_${i}}")
+    list(LENGTH hits n)
+    if(NOT n EQUAL 4)
+      message(FATAL_ERROR "${OUT}${i}.jsonl: ${n} matches of ${key}, expected 4 (one per line):\n${text_${i}}")
+    endif()
+  endforeach()
+  string(FIND "${text_${i}}" "\"prompt\":\"the cat\",\"sample\":0," first)
+  if(first LESS 0)
+    message(FATAL_ERROR "no sample 0 of the first prompt in ${OUT}${i}.jsonl")
+  endif()
+  string(REGEX REPLACE "\"logprobs\":\\[[-0-9.e,]*\\]," "" text_${i} "${text_${i}}")
+endforeach()
+if(NOT text_1 STREQUAL text_2)
+  message(FATAL_ERROR "gen_tp=2 completions differ:\n${text_1}\nvs\n${text_2}")
+endif()
+message(STATUS "same completions on 1 rank and gen_tp=2")
