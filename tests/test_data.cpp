@@ -16,29 +16,13 @@
 #include "data/sft.h"
 #include "data/shards.h"
 #include "data/synthetic.h"
+#include "temp_dir.h"
 
 namespace fs = std::filesystem;
+using ndt::testing::TempDir;
 using namespace ndt;
 
 namespace {
-
-// A fresh directory per test, removed at the end.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / fmt::format("ndt_data_{}_{}_{}", info->test_suite_name(),
-                                                    info->name(), static_cast<long>(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);

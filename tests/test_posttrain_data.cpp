@@ -16,33 +16,14 @@
 #include "data/synthetic.h"
 #include "posttrain/preferences.h"
 #include "posttrain/tasks.h"
+#include "temp_dir.h"
 #include "train/config.h"
 
 namespace fs = std::filesystem;
+using ndt::testing::TempDir;
 using namespace ndt;
 
 namespace {
-
-// A fresh directory per test, removed at the end.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / fmt::format("ndt_ptdata_{}_{}_{}", info->test_suite_name(),
-                                                    info->name(), static_cast<long>(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string write(const std::string& name, const std::string& text) const {
-    const std::string p = (path_ / name).string();
-    std::ofstream(p) << text;
-    return p;
-  }
-
- private:
-  fs::path path_;
-};
 
 Config task_config(const std::string& task, const std::string& data_path = "",
                    const std::string& reward = "exact_match") {

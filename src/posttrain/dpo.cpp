@@ -91,7 +91,7 @@ PosttrainStep DpoRunner::step(int64_t step) {
   double sums[5] = {s.pairs, s.correct, s.margin, s.chosen_reward, s.rejected_reward};
   c.pp->all_reduce(sums, 5, DType::F64, ReduceOp::Sum);
   c.grad->all_reduce(sums, 5, DType::F64, ReduceOp::Sum);
-  // Pair terms were counted on CP rank 0 of each TP rank... of the last stage: every TP rank holds a copy.
+  // Pair terms are counted on CP rank 0 of the last stage (TP ranks hold equal copies, not summed).
   const double pairs = std::max(1.0, sums[0]);
   auto& m = out.metrics;
   m["reward_accuracy"] = sums[1] / pairs;
@@ -122,7 +122,7 @@ nlohmann::ordered_json DpoRunner::evaluate(int64_t n) {
     const double z = beta * ((pol[c] - ref[c]) - (pol[r] - ref[r]));
     correct += z > 0;
     margin += z;
-    loss += z > 0 ? std::log1p(std::exp(-z)) : -z + std::log1p(std::exp(z));
+    loss += dpo_pair_loss(z);
   }
   m["eval_reward_accuracy"] = correct / static_cast<double>(count);
   m["eval_reward_margin"] = margin / static_cast<double>(count);

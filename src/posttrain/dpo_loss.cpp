@@ -9,8 +9,9 @@ namespace ndt {
 
 namespace {
 double sigmoid(double x) { return x >= 0 ? 1.0 / (1.0 + std::exp(-x)) : std::exp(x) / (1.0 + std::exp(x)); }
-double softplus(double x) { return x > 0 ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x)); }
 }  // namespace
+
+double dpo_pair_loss(double z) { return z < 0 ? -z + std::log1p(std::exp(z)) : std::log1p(std::exp(-z)); }
 
 double DpoLoss::seed(const Microbatch& mb, const std::vector<float>& logprob, std::vector<float>& dloss) {
   const std::vector<RowSource> src = row_sources(mb);
@@ -43,7 +44,7 @@ double DpoLoss::seed(const Microbatch& mb, const std::vector<float>& logprob, st
     const double z = chosen - rejected;
     dz[i] = -sigmoid(-z) / opt_.global_pairs;
     if (cp_rank_ != 0) continue;
-    loss += softplus(-z) / opt_.global_pairs;
+    loss += dpo_pair_loss(z) / opt_.global_pairs;
     sums_.pairs += 1;
     sums_.correct += z > 0 ? 1.0 : 0.0;
     sums_.margin += z;

@@ -15,6 +15,9 @@
 
 namespace ndt {
 
+// -log sigmoid(z), the loss of one pair with margin z (stable for large |z|).
+double dpo_pair_loss(double z);
+
 struct DpoSample {
   double ref = 0;           // s_ref of this response (sum or mean, as `mean` says)
   int64_t loss_tokens = 0;  // response tokens (the mean's divisor)

@@ -112,8 +112,6 @@ class Trainer {
   PackLayout pack_layout_() const;
   // Whether DP replicas must make the same model calls (expert parallelism exchanges tokens between them).
   bool lockstep() const { return c_.ep_hooks != nullptr; }
-  void copy_slices(const std::map<std::string, const Tensor*>& by_name);
-  void gather_pipeline_params(std::vector<std::pair<std::string, Tensor>>& full, Communicator& pp);
   void report_pipeline(bool logger);
 
   Config cfg_;

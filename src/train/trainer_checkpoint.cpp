@@ -66,19 +66,8 @@ void Trainer::resume(const std::string& dir) {
 void Trainer::load_weights(const std::vector<std::pair<std::string, Tensor>>& full) {
   std::map<std::string, const Tensor*> by_name;
   for (const auto& [name, t] : full) by_name[name] = &t;
-  engine_->params().with_host_values([&] { copy_slices(by_name); }, /*write_back=*/true);
-}
-
-void Trainer::copy_slices(const std::map<std::string, const Tensor*>& by_name) {
-  for (auto& p : engine_->params().all()) {
-    auto it = by_name.find(p->name);
-    if (it == by_name.end()) NDT_FAIL("initial weights have no tensor '{}'", p->name);
-    const Tensor& src = *it->second;
-    if (src.shape() != p->global_shape)
-      NDT_FAIL("initial weights: tensor '{}' has shape {}, the model expects {}", p->name,
-               shape_str(src.shape()), shape_str(p->global_shape));
-    for (int64_t i = 0; i < p->numel(); ++i) p->value.f32()[i] = src.f32()[p->global_index(i)];
-  }
+  ParamStore& ps = engine_->params();
+  ps.with_host_values([&] { copy_global_slices(ps, by_name, "initial weights"); }, /*write_back=*/true);
 }
 
 }  // namespace ndt

@@ -23,39 +23,6 @@ void print_eval(const EvalStats& ev, int64_t step) {
 
 }  // namespace
 
-void Trainer::gather_pipeline_params(std::vector<std::pair<std::string, Tensor>>& full, Communicator& pp) {
-  // Stage q > 0 sends its (name, shape, data) triples to stage 0, which appends the ones it lacks.
-  if (pp.size() == 1) return;
-  if (pp.rank() > 0) {
-    int64_t n = static_cast<int64_t>(full.size());
-    pp.send(&n, 1, DType::I64, 0, 7);
-    for (auto& [name, t] : full) {
-      pp.send_string(name, 0, 7);
-      int64_t dim = t.dim();
-      pp.send(&dim, 1, DType::I64, 0, 7);
-      pp.send(t.shape().data(), t.dim(), DType::I64, 0, 7);
-      pp.send(t.data_ptr(), t.numel(), DType::F32, 0, 7);
-    }
-    return;
-  }
-  for (int q = 1; q < pp.size(); ++q) {
-    int64_t n = 0;
-    pp.recv(&n, 1, DType::I64, q, 7);
-    for (int64_t i = 0; i < n; ++i) {
-      const std::string name = pp.recv_string(q, 7);
-      int64_t dim = 0;
-      pp.recv(&dim, 1, DType::I64, q, 7);
-      Shape shape(static_cast<size_t>(dim));
-      pp.recv(shape.data(), dim, DType::I64, q, 7);
-      Tensor t = Tensor::empty(shape);
-      pp.recv(t.data_ptr(), t.numel(), DType::F32, q, 7);
-      bool have = false;
-      for (auto& e : full) have = have || e.first == name;
-      if (!have) full.emplace_back(name, t);
-    }
-  }
-}
-
 std::vector<std::pair<std::string, Tensor>> Trainer::full_weights() {
   std::vector<std::pair<std::string, Tensor>> full;
   engine_->params().with_host_values([&] { full = gather_full_params(engine_->params(), *c_.tp, c_.ep); },
@@ -249,14 +216,8 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
   if (tc.checkpoint_every > 0) save_checkpoint(step);
   log_eval(step);
 
-  // Final weights (gathered over TP) and the loss curve; one writer.
-  std::vector<std::pair<std::string, Tensor>> full;
-  engine_->params().with_host_values(
-      [&] {
-        full = gather_full_params(engine_->params(), *c_.tp, c_.ep);
-        gather_pipeline_params(full, *c_.pp);
-      },
-      /*write_back=*/false);
+  // Final weights (gathered over TP, EP and PP) and the loss curve; one writer.
+  const std::vector<std::pair<std::string, Tensor>> full = full_weights();
   report_pipeline(logger);
   if (logger) {
     const std::filesystem::path dir(tc.out_dir);
