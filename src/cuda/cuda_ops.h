@@ -177,10 +177,22 @@ template <typename E>
 void moe_permute(E* out, const E* x, const int32_t* src, const float* scale, int64_t R, int64_t C,
                  cudaStream_t stream = 0);
 template <typename E>
-void moe_unpermute(E* out, const E* y, const int32_t* pos, const float* gates, int64_t N, int64_t k, int64_t C,
-                   bool accumulate, cudaStream_t stream = 0);
+void moe_unpermute(E* out, const E* y, const int32_t* pos, const float* gates, int64_t N, int64_t k,
+                   int64_t C, bool accumulate, cudaStream_t stream = 0);
 template <typename E>
-void moe_gate_grad(float* dgates, const E* dout, const E* y, const int32_t* pos, int64_t N, int64_t k, int64_t C,
-                   cudaStream_t stream = 0);
+void moe_gate_grad(float* dgates, const E* dout, const E* y, const int32_t* pos, int64_t N, int64_t k,
+                   int64_t C, cudaStream_t stream = 0);
+
+// ---- row scatter (cuda_rows.cu): dst[rows[i]] = src[i] for i < n, rows of C elements; rows distinct ----
+template <typename E>
+void scatter_rows(E* dst, const int32_t* rows, const E* src, int64_t n, int64_t C, cudaStream_t stream = 0);
+
+// ---- token sampling (twin of generate/sampler.cpp choose_token; cuda_sample.cu) ----
+// Row r of logits (n, V): token[r] and logprob[r] (log p under the temperature-1 softmax of the row) from
+// the uniform u[r] (device doubles). temperature 0: argmax; top_k 0: all; top_k/top_p sort each row on the
+// device (temporary memory from the stream-ordered allocator). Asynchronous on `stream`.
+template <typename E>
+void sample_tokens(int32_t* token, float* logprob, const E* logits, int64_t n, int64_t V, double temperature,
+                   int64_t top_k, double top_p, const double* u, cudaStream_t stream = 0);
 
 }  // namespace ndt::cuda

@@ -40,4 +40,15 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
                         const int32_t* pos_q, const int32_t* pos_k, int64_t nseq, int64_t Tq, int64_t Tk,
                         int64_t H, int64_t KV, int64_t D, float scale, cudaStream_t stream = 0);
 
+// Decode form (a step over a KV cache): query row s is the only query of segment s (nseq rows, cu_q =
+// 0, 1, ..., nseq implied); otherwise the same contract as attention_forward (visible keys of segment s:
+// pos_k[j] <= pos_q[s], positions non-decreasing in a segment). One block per (segment, kv head) serves
+// the group's query heads, reading each cached row once. Returns false, launching nothing, for shapes it
+// does not take (H / KV not 1, 2, 4 or 8, D not 64 or 128, q/k/v not 16-byte aligned): use attention_forward
+// then.
+template <typename T>
+bool attention_decode(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_seqlens_k,
+                      const int32_t* pos_q, const int32_t* pos_k, int64_t nseq, int64_t H, int64_t KV,
+                      int64_t D, float scale, cudaStream_t stream = 0);
+
 }  // namespace ndt::cuda

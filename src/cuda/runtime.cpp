@@ -80,6 +80,40 @@ void copy_d2d(void* dst, const void* src, size_t bytes) {
   if (bytes) NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()));
 }
 
+void copy_d2d_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width_bytes, size_t rows) {
+  if (width_bytes && rows)
+    NDT_CUDA_CHECK(
+        cudaMemcpy2DAsync(dst, dpitch, src, spitch, width_bytes, rows, cudaMemcpyDeviceToDevice, stream()));
+}
+
+std::unique_ptr<Graph> Graph::capture(const std::function<void()>& enqueue) {
+  NDT_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+  bool ok = true;
+  try {
+    enqueue();
+  } catch (...) {
+    ok = false;  // e.g. an op that synchronizes: the capture is invalidated
+  }
+  cudaGraph_t graph = nullptr;
+  const cudaError_t end = cudaStreamEndCapture(stream(), &graph);
+  std::unique_ptr<Graph> g;
+  if (ok && end == cudaSuccess && graph) {
+    g.reset(new Graph());
+    if (cudaGraphInstantiateWithFlags(&g->exec_, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch) !=
+        cudaSuccess)
+      g.reset();
+  }
+  if (graph) cudaGraphDestroy(graph);
+  cudaGetLastError();  // a failed capture leaves its error pending: clear it
+  return g;
+}
+
+Graph::~Graph() {
+  if (exec_) cudaGraphExecDestroy(exec_);
+}
+
+void Graph::launch() { NDT_CUDA_CHECK(cudaGraphLaunch(exec_, stream())); }
+
 void memset_zero(void* p, size_t bytes) {
   if (bytes) NDT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream()));
 }

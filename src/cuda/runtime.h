@@ -15,6 +15,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 
 namespace ndt::cuda {
@@ -30,8 +32,28 @@ void device_free(void* p) noexcept;
 void copy_h2d(void* dst, const void* src, size_t bytes);
 void copy_d2h(void* dst, const void* src, size_t bytes);
 void copy_d2d(void* dst, const void* src, size_t bytes);
+// rows x width_bytes from src (row pitch spitch bytes) to dst (row pitch dpitch), device to device, async.
+void copy_d2d_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width_bytes, size_t rows);
 void memset_zero(void* p, size_t bytes);
 void synchronize();
+
+// A CUDA graph of the work `enqueue` puts on stream() (stream capture, thread-local mode), replayed by
+// launch() with the same pointers and sizes: the caller keeps every buffer the work reads or writes at a
+// fixed address and rewrites its contents between launches. Memory the work allocates must be freed inside
+// it (graph-owned). capture() does NOT run the work; it returns null, leaving no capture open and no error
+// pending, when the work cannot be captured (an op that synchronizes, say): run it eagerly then.
+class Graph {
+ public:
+  static std::unique_ptr<Graph> capture(const std::function<void()>& enqueue);
+  ~Graph();
+  void launch();  // asynchronous on stream()
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+
+ private:
+  Graph() = default;
+  cudaGraphExec_t exec_ = nullptr;
+};
 
 // Device of this process: local rank (OMPI/SLURM/MPI env, else `fallback_rank`) modulo the device
 // count; sets it current and returns its index.

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 
 #include "core/check.h"
@@ -71,13 +73,13 @@ struct Generator::Impl {
 
   Impl(const Config& c, Communicator& w) : cfg(c), world(w) {}
 
-  // Full-vocabulary logits (n, V) of the given rows of the last forward, on the host, identical on every
-  // TP rank: each rank writes its vocab block into a zeroed (tp, n, Vl) buffer and the blocks are summed
-  // over TP (adding zeros is exact).
-  std::vector<float> full_rows(const Activations& acts, const std::vector<int64_t>& rows) {
+  // Full-vocabulary logits (n, V) of the given rows of the last forward, on the model's device, identical
+  // on every TP rank: each rank writes its vocab block into a zeroed (tp, n, Vl) f32 buffer, the blocks are
+  // summed over TP (adding zeros is exact; NCCL on the device under CUDA) and laid side by side.
+  Tensor full_logits(const Activations& acts, const std::vector<int64_t>& rows) {
     const int64_t n = static_cast<int64_t>(rows.size()), Vl = model->local_vocab(), V = Vl * tp;
-    const Tensor mine = ops::gather_rows(acts.logits, rows);  // (n, Vl) on the model's device
-    if (tp == 1) return ops::to_host_f32(mine).to_vector<float>();
+    Tensor mine = ops::gather_rows(acts.logits, rows);  // (n, Vl) on the model's device
+    if (tp == 1) return mine;
     Tensor blocks = Tensor::zeros({tp, n, Vl}, DType::F32, mine.device());
     Tensor dst = blocks.view_at(hooks->rank() * n * Vl, {n, Vl});
     if (mine.dtype() == DType::F32)
@@ -85,11 +87,19 @@ struct Generator::Impl {
     else
       ops::cast_into(dst, mine);
     hooks->all_reduce_sum(blocks.f32(), blocks.numel());  // device buffer under NCCL, host under MPI
-    const std::vector<float> b = blocks.to_vector<float>();
-    std::vector<float> out(static_cast<size_t>(n * V));
-    for (int64_t r = 0; r < tp; ++r)
-      for (int64_t i = 0; i < n; ++i)
-        std::copy_n(b.begin() + (r * n + i) * Vl, Vl, out.begin() + i * V + r * Vl);
+    Tensor out = Tensor::empty({n, V}, DType::F32, mine.device());
+    const size_t row = static_cast<size_t>(Vl) * sizeof(float);
+    for (int64_t r = 0; r < tp; ++r) {
+      const float* src = blocks.f32() + r * n * Vl;
+      float* d = out.f32() + r * Vl;
+#ifdef NDT_HAVE_CUDA
+      if (out.device() == Device::CUDA) {
+        cuda::copy_d2d_2d(d, static_cast<size_t>(V) * sizeof(float), src, row, row, static_cast<size_t>(n));
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < n; ++i) std::copy_n(src + i * Vl, Vl, d + i * V);
+    }
     return out;
   }
 
@@ -98,19 +108,48 @@ struct Generator::Impl {
   void step(KvCache& cache, const Microbatch& mb, const std::vector<int64_t>& slots, std::vector<Live>& live,
             const SamplingParams& sp, int64_t gstep) {
     cache.begin(mb, slots);
-    Activations acts;
-    model->forward(mb, Tensor(), acts);
     std::vector<int64_t> rows;
     for (int64_t s = 0; s < mb.nseq; ++s) rows.push_back(mb.cu_seqlens.i32()[s + 1] - 1);
-    const std::vector<float> logits = full_rows(acts, rows);
-    const int64_t V = cfg.model.vocab_size, ctx = cfg.model.max_seq_len;
+    Activations acts;
+    if (model->params().device() == Device::CPU) {
+      model->forward(mb, Tensor(), acts);
+    } else {
+      // The forward's per-token metadata goes to the device once, now, while the device is idle (it waited
+      // for the last step's tokens): an upload from pageable memory waits for the stream, so the ops'
+      // own per-layer uploads would stall the host behind every layer and leave the GPU waiting for
+      // launches.
+      Microbatch dev = mb;
+      dev.tokens = mb.tokens.to(model->params().device());
+      dev.positions = mb.positions.to(model->params().device());
+      dev.targets = mb.targets.to(model->params().device());
+      model->forward(dev, Tensor(), acts);
+    }
+    // Sampled where the logits are (the device under CUDA: only n choices come back).
+    const std::vector<double> u = uniforms(slots, live, sp, gstep);
+    record(choose_tokens(full_logits(acts, rows), sp.temperature, sp.top_k, sp.top_p, u), slots, live, sp);
+  }
+
+  // The uniforms of the next token of each listed request.
+  static std::vector<double> uniforms(const std::vector<int64_t>& slots, const std::vector<Live>& live,
+                                      const SamplingParams& sp, int64_t gstep) {
+    std::vector<double> u(slots.size());
+    for (size_t s = 0; s < slots.size(); ++s) {
+      const Live& l = live[static_cast<size_t>(slots[s])];
+      u[s] = sampling_uniform(sp.seed, gstep, l.req->prompt_key, l.req->sample_key,
+                              static_cast<int64_t>(l.out.tokens.size()));
+    }
+    return u;
+  }
+
+  // Appends the chosen token of each listed request and decides whether it is done.
+  void record(const std::vector<TokenChoice>& choice, const std::vector<int64_t>& slots,
+              std::vector<Live>& live, const SamplingParams& sp) const {
+    const int64_t ctx = cfg.model.max_seq_len;
     for (size_t s = 0; s < slots.size(); ++s) {
       Live& l = live[static_cast<size_t>(slots[s])];
       const GenRequest& q = *l.req;
       const int64_t i = static_cast<int64_t>(l.out.tokens.size());
-      const TokenChoice tc =
-          choose_token(logits.data() + s * static_cast<size_t>(V), V, sp.temperature, sp.top_k, sp.top_p,
-                       sampling_uniform(sp.seed, gstep, q.prompt_key, q.sample_key, i));
+      const TokenChoice& tc = choice[s];
       l.out.tokens.push_back(tc.token);
       l.out.logprobs.push_back(tc.logprob);
       l.out.stopped = std::find(sp.stop_ids.begin(), sp.stop_ids.end(), tc.token) != sp.stop_ids.end();
@@ -120,6 +159,64 @@ struct Generator::Impl {
       l.done = l.out.stopped || i + 1 >= sp.max_new_tokens || total > ctx;
     }
   }
+
+#ifdef NDT_HAVE_CUDA
+  // Device decode state of one batch: inputs and outputs at fixed addresses, and CUDA graphs of the decode
+  // step by number of sequences (a graph replays one step with a single launch instead of ~15 launches per
+  // layer, which is what a decode step of small matrices is otherwise bound by).
+  struct DeviceDecode {
+    Tensor tok, pos, tgt, u64, out_tok, out_lp;  // (B) each
+    std::map<int64_t, std::unique_ptr<cuda::Graph>> graphs;
+    int64_t last_n = -1;
+  };
+
+  // Whether decode steps may be replayed from CUDA graphs: one GPU per replica (no TP collectives inside
+  // the step) and no MoE layer (routing is decided on the host). NDT_GEN_CUDA_GRAPHS=0 turns them off.
+  bool graphs_allowed() const {
+    const char* env = std::getenv("NDT_GEN_CUDA_GRAPHS");
+    return tp == 1 && !cfg.model.moe.enabled() && !(env && std::string(env) == "0");
+  }
+
+  // A decode step on the GPU: like step(), but every device input lives in dd's fixed buffers and the
+  // tokens are sampled on the device into dd's outputs, so the whole step can be captured once and
+  // replayed; the second consecutive step with the same number of sequences captures it.
+  void step_device(KvCache& cache, const Microbatch& mb, const std::vector<int64_t>& slots,
+                   std::vector<Live>& live, const SamplingParams& sp, int64_t gstep, DeviceDecode& dd) {
+    const int64_t n = mb.nseq;
+    cache.begin(mb, slots);
+    const std::vector<double> u = uniforms(slots, live, sp, gstep);
+    std::vector<int64_t> bits(u.size());
+    std::memcpy(bits.data(), u.data(), u.size() * sizeof(double));
+    Microbatch dev = mb;
+    (dev.tokens = dd.tok.view_at(0, {n})).copy_from(mb.tokens);
+    (dev.positions = dd.pos.view_at(0, {n})).copy_from(mb.positions);
+    dev.targets = dd.tgt.view_at(0, {n});
+    dd.u64.view_at(0, {n}).copy_from(Tensor::from_vector(bits, {n}));
+    Tensor out_tok = dd.out_tok.view_at(0, {n}), out_lp = dd.out_lp.view_at(0, {n});
+    const Tensor u64 = dd.u64.view_at(0, {n});
+    auto work = [&] {
+      Activations acts;  // allocated and freed inside the work (graph-owned memory under capture)
+      model->forward(dev, Tensor(), acts);
+      choose_tokens_on_device(out_tok, out_lp, acts.logits, sp.temperature, sp.top_k, sp.top_p, u64);
+    };
+    std::unique_ptr<cuda::Graph>* g = nullptr;
+    if (graphs_allowed() && n == dd.last_n) {
+      g = &dd.graphs[n];
+      if (!*g) *g = cuda::Graph::capture(work);
+    }
+    if (g && *g)
+      (*g)->launch();
+    else
+      work();
+    dd.last_n = n;
+    const std::vector<int32_t> t = out_tok.to_vector<int32_t>();  // waits for the step
+    const std::vector<float> l = out_lp.to_vector<float>();
+    std::vector<TokenChoice> choice(static_cast<size_t>(n));
+    for (int64_t s = 0; s < n; ++s)
+      choice[static_cast<size_t>(s)] = {t[static_cast<size_t>(s)], l[static_cast<size_t>(s)]};
+    record(choice, slots, live, sp);
+  }
+#endif
 
   // Generates requests [b, e) of `reqs` on this replica.
   std::vector<GenOutput> run(const std::vector<GenRequest>& reqs, int64_t b, int64_t e,
@@ -146,6 +243,19 @@ struct Generator::Impl {
       KvCache cache(m.n_layers, B, rows, m.kv_heads() / tp, m.head_dim(), model->params().compute_dtype(),
                     model->params().device());
       model->set_kv_cache(&cache);
+#ifdef NDT_HAVE_CUDA
+      std::unique_ptr<DeviceDecode> dd;
+      if (model->params().device() == Device::CUDA && tp == 1) {
+        dd = std::make_unique<DeviceDecode>();
+        const Device cu = Device::CUDA;
+        dd->tok = Tensor::empty({B}, DType::I32, cu);
+        dd->pos = Tensor::empty({B}, DType::I32, cu);
+        dd->tgt = Tensor::zeros({B}, DType::I32, cu);
+        dd->u64 = Tensor::empty({B}, DType::I64, cu);
+        dd->out_tok = Tensor::empty({B}, DType::I32, cu);
+        dd->out_lp = Tensor::empty({B}, DType::F32, cu);
+      }
+#endif
       try {
         // Prefill: whole prompts, several per forward up to the token budget.
         for (int64_t s0 = 0; s0 < B && sp.max_new_tokens > 0;) {
@@ -176,6 +286,12 @@ struct Generator::Impl {
           if (slots.empty()) break;
           std::vector<const std::vector<int32_t>*> toks;
           for (const auto& t : last) toks.push_back(&t);
+#ifdef NDT_HAVE_CUDA
+          if (dd) {
+            step_device(cache, cached_batch(toks, first), slots, live, sp, gstep, *dd);
+            continue;
+          }
+#endif
           step(cache, cached_batch(toks, first), slots, live, sp, gstep);
         }
       } catch (...) {

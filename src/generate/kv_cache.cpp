@@ -31,6 +31,8 @@ void KvCache::begin(const Microbatch& mb, const std::vector<int64_t>& slots) {
   const int32_t* cu = mb.cu_seqlens.i32();
   const int32_t* pos = mb.positions.i32();
   runs_.clear();
+  decode_ = true;
+  std::vector<int32_t> dst_rows;
   std::vector<int32_t> cu_k(static_cast<size_t>(mb.nseq + 1));
   for (int64_t s = 0; s < mb.nseq; ++s) {
     const int64_t b = slots[static_cast<size_t>(s)], n = cu[s + 1] - cu[s];
@@ -43,6 +45,8 @@ void KvCache::begin(const Microbatch& mb, const std::vector<int64_t>& slots) {
       NDT_CHECK(pos[cu[s] + t] == len + t, "KV cache: slot {} expects position {}, the forward has {}", b,
                 len + t, pos[cu[s] + t]);
     runs_.push_back({cu[s], b * max_len_ + len, n});
+    for (int64_t t = 0; t < n; ++t) dst_rows.push_back(static_cast<int32_t>(b * max_len_ + len + t));
+    decode_ = decode_ && n == 1;
     len += n;
     cu_k[static_cast<size_t>(s)] = static_cast<int32_t>(b * max_len_);
   }
@@ -52,9 +56,27 @@ void KvCache::begin(const Microbatch& mb, const std::vector<int64_t>& slots) {
   for (int64_t b : slots)
     for (int64_t j = 0; j < len_[static_cast<size_t>(b)]; ++j)
       pos_k[static_cast<size_t>(b * max_len_ + j)] = static_cast<int32_t>(j);
-  // Uploaded once per forward (the ops would otherwise upload host metadata once per layer).
+  // Uploaded once per forward (the ops would otherwise upload host metadata once per layer). A decode
+  // forward writes into buffers allocated once per cache, so its metadata keeps its device addresses from
+  // step to step (what a CUDA graph of the decode step needs).
+  if (decode_) {
+    const int64_t n = mb.nseq;
+    if (!dec_pos_k_.defined()) {
+      dec_rows_ = Tensor::empty({slots_}, DType::I32, dev_);
+      dec_cu_k_ = Tensor::empty({slots_ + 1}, DType::I32, dev_);
+      dec_pos_q_ = Tensor::empty({slots_}, DType::I32, dev_);
+      dec_pos_k_ = Tensor::empty({slots_ * max_len_}, DType::I32, dev_);
+    }
+    (dst_rows_ = dec_rows_.view_at(0, {n})).copy_from(Tensor::from_vector(dst_rows, {n}));
+    (cu_k_ = dec_cu_k_.view_at(0, {n + 1})).copy_from(Tensor::from_vector(cu_k, {n + 1}));
+    (pos_q_ = dec_pos_q_.view_at(0, {n})).copy_from(mb.positions);
+    (pos_k_ = dec_pos_k_).copy_from(Tensor::from_vector(pos_k, {slots_ * max_len_}));
+    cu_q_ = Tensor();
+    return;
+  }
   cu_k_ = Tensor::from_vector(cu_k, {mb.nseq + 1}).to(dev_);
   pos_k_ = Tensor::from_vector(pos_k, {slots_ * max_len_}).to(dev_);
+  dst_rows_ = Tensor::from_vector(dst_rows, {mb.num_tokens()}).to(dev_);
   cu_q_ = mb.cu_seqlens.to(dev_);
   pos_q_ = mb.positions.to(dev_);
 }
@@ -69,12 +91,12 @@ void KvCache::attention_forward(int64_t layer, const Microbatch& mb, const Tenso
       dtype_name(k.dtype()));
   NDT_CHECK(!runs_.empty() && runs_.back().src + runs_.back().n == mb.num_tokens(),
             "KV cache: begin() was not called for this forward");
-  const int64_t row = K.numel() / K.size(0);
-  for (const Run& r : runs_) {  // a prompt or one decode token: one copy each
-    K.view_at(r.dst * row, {r.n * row}).copy_from(k.view_at(r.src * row, {r.n * row}));
-    V.view_at(r.dst * row, {r.n * row}).copy_from(v.view_at(r.src * row, {r.n * row}));
-  }
-  ops::attention_forward(out, lse, q, K, V, cu_q_, cu_k_, pos_q_, pos_k_, scale);
+  ops::scatter_rows(K, dst_rows_, k);  // one launch per tensor, whatever the number of sequences
+  ops::scatter_rows(V, dst_rows_, v);
+  if (decode_)  // one new row per sequence: the decode kernel reads each cached row once per kv head
+    ops::attention_decode(out, lse, q, K, V, cu_k_, pos_q_, pos_k_, scale);
+  else
+    ops::attention_forward(out, lse, q, K, V, cu_q_, cu_k_, pos_q_, pos_k_, scale);
 }
 
 }  // namespace ndt

@@ -24,7 +24,8 @@ class KvCache final : public KvHooks {
           Device dev);
   // Before each forward: sequence s of mb goes to slot slots[s] (strictly increasing); its rows are the
   // slot's next tokens (positions length(slot), length(slot) + 1, ...). Checks that, then advances the
-  // slot lengths and prepares the attention metadata of this forward.
+  // slot lengths and prepares the attention metadata of this forward. A decode forward (one row per
+  // sequence) keeps its metadata at the same device addresses every time.
   void begin(const Microbatch& mb, const std::vector<int64_t>& slots);
   void attention_forward(int64_t layer, const Microbatch& mb, const Tensor& q, const Tensor& k,
                          const Tensor& v, Tensor& out, Tensor& lse, float scale) override;
@@ -42,7 +43,9 @@ class KvCache final : public KvHooks {
     int64_t src, dst, n;
   };
   std::vector<Run> runs_;
-  Tensor cu_q_, cu_k_, pos_q_, pos_k_;
+  bool decode_ = false;                                 // this forward has one new row per sequence
+  Tensor dst_rows_, cu_q_, cu_k_, pos_q_, pos_k_;       // dst_rows_: the cache row of each microbatch row
+  Tensor dec_rows_, dec_cu_k_, dec_pos_q_, dec_pos_k_;  // decode forwards' metadata (fixed addresses)
 };
 
 }  // namespace ndt

@@ -8,6 +8,13 @@
 #include "core/check.h"
 #include "core/rng.h"
 
+#ifdef NDT_HAVE_CUDA
+#include <cstring>
+
+#include "cuda/cuda_ops.h"
+#include "cuda/runtime.h"
+#endif
+
 namespace ndt {
 
 double sampling_uniform(uint64_t seed, int64_t step, uint64_t prompt_key, uint64_t sample_key, int64_t i) {
@@ -67,6 +74,67 @@ TokenChoice choose_token(const float* logits, int64_t vocab, double temperature,
   size_t last = ids.size() - 1;
   while (last > 0 && w[last] == 0) --last;
   return choice(ids[last]);
+}
+
+std::vector<TokenChoice> choose_tokens(const Tensor& logits, double temperature, int64_t top_k, double top_p,
+                                       const std::vector<double>& u) {
+  NDT_CHECK(logits.dim() == 2 && logits.size(0) == static_cast<int64_t>(u.size()),
+            "choose_tokens: logits {} for {} uniforms", shape_str(logits.shape()), u.size());
+  const int64_t n = logits.size(0), V = logits.size(1);
+  std::vector<TokenChoice> out(static_cast<size_t>(n));
+  if (logits.device() == Device::CPU) {
+    NDT_CHECK(logits.dtype() == DType::F32, "choose_tokens: host logits must be f32");
+    for (int64_t r = 0; r < n; ++r)
+      out[static_cast<size_t>(r)] =
+          choose_token(logits.f32() + r * V, V, temperature, top_k, top_p, u[static_cast<size_t>(r)]);
+    return out;
+  }
+#ifdef NDT_HAVE_CUDA
+  // The uniforms travel as 64-bit words (Tensor has no f64 dtype); the kernel reads them as doubles.
+  std::vector<int64_t> bits(u.size());
+  std::memcpy(bits.data(), u.data(), u.size() * sizeof(double));
+  Tensor tok = Tensor::empty({n}, DType::I32, Device::CUDA),
+         lp = Tensor::empty({n}, DType::F32, Device::CUDA);
+  choose_tokens_on_device(tok, lp, logits, temperature, top_k, top_p,
+                          Tensor::from_vector(bits, {n}).to(Device::CUDA));
+  const std::vector<int32_t> t = tok.to_vector<int32_t>();
+  const std::vector<float> l = lp.to_vector<float>();
+  for (int64_t r = 0; r < n; ++r)
+    out[static_cast<size_t>(r)] = {t[static_cast<size_t>(r)], l[static_cast<size_t>(r)]};
+  return out;
+#else
+  NDT_FAIL("choose_tokens: logits on a device, but this ndtrain was built without the CUDA backend");
+#endif
+}
+
+void choose_tokens_on_device([[maybe_unused]] Tensor& token, [[maybe_unused]] Tensor& logprob,
+                             const Tensor& logits, [[maybe_unused]] double temperature,
+                             [[maybe_unused]] int64_t top_k, [[maybe_unused]] double top_p,
+                             [[maybe_unused]] const Tensor& u64) {
+  NDT_CHECK(logits.device() == Device::CUDA && logits.dim() == 2,
+            "choose_tokens_on_device: CUDA (n, V) logits");
+#ifdef NDT_HAVE_CUDA
+  const int64_t n = logits.size(0), V = logits.size(1);
+  NDT_CHECK(n * V < (int64_t{1} << 31),
+            "choose_tokens: {} x {} logits exceed the device sorter's int32 range", n, V);
+  NDT_CHECK(token.numel() == n && logprob.numel() == n && u64.numel() == n && token.dtype() == DType::I32 &&
+                logprob.dtype() == DType::F32 && u64.dtype() == DType::I64 &&
+                token.device() == Device::CUDA && logprob.device() == Device::CUDA &&
+                u64.device() == Device::CUDA,
+            "choose_tokens_on_device: outputs and uniforms must be {} device values", n);
+  const auto* up = reinterpret_cast<const double*>(u64.data<int64_t>());
+  if (logits.dtype() == DType::F32)
+    cuda::sample_tokens(token.data<int32_t>(), logprob.f32(), logits.f32(), n, V, temperature, top_k, top_p,
+                        up, cuda::stream());
+  else if (logits.dtype() == DType::BF16)
+    cuda::sample_tokens(token.data<int32_t>(), logprob.f32(),
+                        static_cast<const __nv_bfloat16*>(logits.data_ptr()), n, V, temperature, top_k, top_p,
+                        up, cuda::stream());
+  else
+    NDT_FAIL("choose_tokens: logits must be f32 or bf16, got {}", dtype_name(logits.dtype()));
+#else
+  NDT_FAIL("choose_tokens_on_device: this ndtrain was built without the CUDA backend");
+#endif
 }
 
 }  // namespace ndt

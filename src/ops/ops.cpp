@@ -271,6 +271,31 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& 
                          scale);
 }
 
+void attention_decode(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k, float scale) {
+  const int64_t nseq = q.size(0);
+  NDT_CHECK(cu_k.numel() == nseq + 1 && pos_q.numel() == nseq && pos_k.numel() == k.size(0),
+            "attention_decode: {} query rows with {} key segments, {} query and {} key positions", nseq,
+            cu_k.numel() - 1, pos_q.numel(), pos_k.numel());
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(q)) {
+    bool done = false;
+    by_dtype(q, [&](auto tag_) {
+      using E = typename decltype(tag_)::type;
+      Tensor k1, k2, k3;
+      done = cuda::attention_decode<E>(dp<E>(out, "att out"), dp<float>(lse, "att lse"), dp<E>(q, "q"),
+                                       dp<E>(k, "k"), dp<E>(v, "v"), dev_meta<int32_t>(cu_k, k1),
+                                       dev_meta<int32_t>(pos_q, k2), dev_meta<int32_t>(pos_k, k3), nseq,
+                                       q.size(1), k.size(1), q.size(2), scale, st());
+    });
+    if (done) return;
+  }
+#endif
+  std::vector<int32_t> iota(static_cast<size_t>(nseq + 1));
+  for (int64_t s = 0; s <= nseq; ++s) iota[static_cast<size_t>(s)] = static_cast<int32_t>(s);
+  attention_forward(out, lse, q, k, v, Tensor::from_vector(iota, {nseq + 1}), cu_k, pos_q, pos_k, scale);
+}
+
 void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                         const Tensor& cu_q, const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k,
@@ -285,6 +310,23 @@ void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, 
   cpu::attention_backward(dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(), out.f32(),
                           lse.f32(), cu_q.i32(), cu_k.i32(), pos_q.i32(), pos_k.i32(), cu_q.numel() - 1,
                           q.size(0), k.size(0), q.size(1), k.size(1), q.size(2), scale);
+}
+
+void scatter_rows(Tensor& dst, const Tensor& rows, const Tensor& src) {
+  const int64_t n = rows.numel(), row = dst.numel() / std::max<int64_t>(1, dst.size(0));
+  NDT_CHECK(src.dtype() == dst.dtype() && src.device() == dst.device() && src.size(0) == n &&
+                src.numel() == n * row,
+            "scatter_rows: {} rows of {} into {} {}", n, shape_str(src.shape()), shape_str(dst.shape()),
+            dtype_name(dst.dtype()));
+  NDT_ON_CUDA(dst, Tensor k; cuda::scatter_rows<E>(dp<E>(dst, "scatter_rows dst"), dev_meta<int32_t>(rows, k),
+                                                   dp<E>(src, "scatter_rows src"), n, row, st()));
+  const int32_t* r = rows.i32();
+  const int64_t bytes = row * dtype_size(dst.dtype());
+  for (int64_t i = 0; i < n; ++i) {
+    NDT_CHECK(r[i] >= 0 && r[i] < dst.size(0), "scatter_rows: row {} outside {} rows", r[i], dst.size(0));
+    std::memcpy(static_cast<char*>(dst.data_ptr()) + r[i] * bytes,
+                static_cast<const char*>(src.data_ptr()) + i * bytes, static_cast<size_t>(bytes));
+  }
 }
 
 Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& idx) {
@@ -617,15 +659,17 @@ namespace ndt::ops {
 void moe_permute(Tensor& out, const Tensor& x, const Tensor& src, const Tensor* scale) {
   const int64_t R = src.numel(), C = x.size(-1);
   require_shape(out, {R, C}, "moe_permute out");
-  NDT_CHECK(src.dtype() == DType::I32 && (!scale || scale->numel() == R), "moe_permute: src i32 (R), scale (R)");
+  NDT_CHECK(src.dtype() == DType::I32 && (!scale || scale->numel() == R),
+            "moe_permute: src i32 (R), scale (R)");
 #ifdef NDT_HAVE_CUDA
   if (on_cuda(x)) {
     if (R == 0) return;
     Tensor k1, k2;
     by_dtype(x, [&](auto tag_) {
       using E = typename decltype(tag_)::type;
-      cuda::moe_permute<E>(dp<E>(out, "moe_permute out"), dp<E>(x, "moe_permute x"), dev_meta<int32_t>(src, k1),
-                           scale ? dev_meta<float>(*scale, k2) : nullptr, R, C, st());
+      cuda::moe_permute<E>(dp<E>(out, "moe_permute out"), dp<E>(x, "moe_permute x"),
+                           dev_meta<int32_t>(src, k1), scale ? dev_meta<float>(*scale, k2) : nullptr, R, C,
+                           st());
     });
     return;
   }
@@ -645,16 +689,16 @@ void moe_unpermute(Tensor& out, const Tensor& y, const Tensor& pos, const Tensor
     Tensor k1, k2;
     by_dtype(out, [&](auto tag_) {
       using E = typename decltype(tag_)::type;
-      cuda::moe_unpermute<E>(dp<E>(out, "moe_unpermute out"), y.numel() ? dp<E>(y, "moe_unpermute y") : nullptr,
-                             dev_meta<int32_t>(pos, k1), gates ? dev_meta<float>(*gates, k2) : nullptr, N, k, C,
-                             accumulate, st());
+      cuda::moe_unpermute<E>(dp<E>(out, "moe_unpermute out"),
+                             y.numel() ? dp<E>(y, "moe_unpermute y") : nullptr, dev_meta<int32_t>(pos, k1),
+                             gates ? dev_meta<float>(*gates, k2) : nullptr, N, k, C, accumulate, st());
     });
     return;
   }
 #endif
   require_cpu(out, "moe_unpermute");
-  cpu::moe_unpermute(out.f32(), y.numel() ? y.f32() : nullptr, pos.i32(), gates ? gates->f32() : nullptr, N, k, C,
-                     accumulate);
+  cpu::moe_unpermute(out.f32(), y.numel() ? y.f32() : nullptr, pos.i32(), gates ? gates->f32() : nullptr, N,
+                     k, C, accumulate);
 }
 
 void moe_gate_grad(Tensor& dgates, const Tensor& dout, const Tensor& y, const Tensor& pos, int64_t k) {
@@ -668,8 +712,8 @@ void moe_gate_grad(Tensor& dgates, const Tensor& dout, const Tensor& y, const Te
     by_dtype(dout, [&](auto tag_) {
       using E = typename decltype(tag_)::type;
       cuda::moe_gate_grad<E>(dp<float>(dgates, "moe_gate_grad dgates"), dp<E>(dout, "moe_gate_grad dout"),
-                             y.numel() ? dp<E>(y, "moe_gate_grad y") : nullptr, dev_meta<int32_t>(pos, k1), N, k,
-                             C, st());
+                             y.numel() ? dp<E>(y, "moe_gate_grad y") : nullptr, dev_meta<int32_t>(pos, k1), N,
+                             k, C, st());
     });
     return;
   }

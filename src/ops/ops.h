@@ -54,6 +54,11 @@ void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, 
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& cu_q, const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k,
                        float scale);
+// The general form with one query row per segment (a decode step over a KV cache): q (nseq, H, D), query
+// row s belongs to segment s (cu_q = 0, 1, ..., nseq). CPU: the general kernel; CUDA: a decode kernel that
+// reads each cached K/V row once for all query heads of its group (flash kernel where it does not apply).
+void attention_decode(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k, float scale);
 void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                         const Tensor& cu_q, const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k,
@@ -66,6 +71,8 @@ void attention_merge(Tensor& out, Tensor& lse, const Tensor& o, const Tensor& l)
 // Row permutations (dim 0): gather_rows returns src[idx[i]] for each i; scatter_add_rows adds src[i]
 // into dst[idx[i]].
 Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& idx);
+// dst[rows[i]] = src[i] along dim 0 (rows: (n) i32, distinct, in range; host or on dst's device).
+void scatter_rows(Tensor& dst, const Tensor& rows, const Tensor& src);
 void scatter_add_rows(Tensor& dst, const Tensor& src, const std::vector<int64_t>& idx);
 
 void gelu_forward(Tensor& out, const Tensor& inp);

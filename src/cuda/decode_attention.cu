@@ -1,0 +1,236 @@
+// Decode attention: one query row per segment (a decode step over a KV cache), the twin of the general
+// CPU attention restricted to that case (contract in flash_attention.h). One block per (segment, kv head)
+// serves every query head of the group, so each cached K/V row is read once per step instead of once per
+// query head (the flash kernel's 64-row query tiles would also sit 63/64 empty here).
+//
+// Inside a block: lanes_per_key = D / 8 lanes hold one key row (8 elements each, one 16-byte load in bf16),
+// a warp works on 32 / lanes_per_key keys at a time, the warps stride over the segment's visible keys,
+// each key slot keeps its own online-softmax state (base-2 exponent, fp32), and the states are merged at
+// the end (across the key slots of a warp by shuffles, across warps through shared memory).
+#include <cmath>
+
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_kernel_utils.cuh"
+#include "cuda/flash_attention.h"
+
+namespace ndt::cuda {
+namespace {
+
+using detail::to_f;
+constexpr int kWarps = 4;
+constexpr int kUnroll = 4;  // key groups whose loads are in flight together
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 8 elements of a row as loaded (16 bytes of bf16 or 32 of fp32), converted to float after the loads of
+// several keys are in flight.
+template <typename T>
+struct Raw8 {
+  uint4 w[sizeof(T) == 2 ? 1 : 2];
+};
+template <typename T>
+__device__ __forceinline__ Raw8<T> load_raw(const T* src) {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < (sizeof(T) == 2 ? 1 : 2); ++i) r.w[i] = reinterpret_cast<const uint4*>(src)[i];
+  return r;
+}
+template <typename T>
+__device__ __forceinline__ void to_float8(float* dst, const Raw8<T>& r) {
+  if constexpr (sizeof(T) == 2) {
+    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&r.w[0]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dst[i] = __bfloat162float(h[i]);
+  } else {
+    const float* f = reinterpret_cast<const float*>(&r.w[0]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dst[i] = f[i];
+  }
+}
+template <typename T>
+__device__ __forceinline__ void load8(float* dst, const T* src) {
+  to_float8<T>(dst, load_raw(src));
+}
+
+// (m, l, acc) of one online softmax; merging rescales both sides to the larger exponent.
+__device__ __forceinline__ void merge_state(float& m, float& l, float* acc, float m2, float l2,
+                                            const float* acc2) {
+  const float mn = fmaxf(m, m2);
+  if (mn == -INFINITY) return;  // both empty
+  const float a = exp2f(m - mn), b = exp2f(m2 - mn);
+  l = l * a + l2 * b;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = acc[i] * a + acc2[i] * b;
+  m = mn;
+}
+
+// G (query heads per kv head) is a template parameter so that the per-head state stays in registers.
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kWarps * 32)
+    decode_kernel(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_k,
+                  const int32_t* pos_q, const int32_t* pos_k, int H, int KV, float scale) {
+  constexpr int LPK = D / 8;     // lanes per key
+  constexpr int KPW = 32 / LPK;  // keys per warp at a time
+  const int s = blockIdx.x, g = blockIdx.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int slot = lane / LPK, part = lane % LPK;
+  // Visible keys: positions are non-decreasing in a segment, so they are a prefix [k0, k0 + n).
+  const int k0 = cu_k[s], k1 = cu_k[s + 1], pq = pos_q[s];
+  int lo = k0, hi = k1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (pos_k[mid] <= pq)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  const int kend = lo;
+  float qf[G][8];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    load8(qf[h], q + (static_cast<int64_t>(s) * H + g * G + h) * D + part * 8);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qf[h][i] *= scale * kLog2e;
+  }
+  float m[G], l[G], acc[G][8];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = -INFINITY, l[h] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[h][i] = 0.0f;
+  }
+  // kUnroll key groups per iteration: their loads are all issued before any is used (memory-level
+  // parallelism; a decode step reads little per block, so latency, not bandwidth, bounds a lone load).
+  constexpr int kStride = kWarps * KPW;
+  for (int base = k0 + warp * KPW; base < kend; base += kStride * kUnroll) {  // uniform per warp
+    Raw8<T> kr[kUnroll], vr[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = base + u * kStride + slot;
+      if (j < kend) {
+        const int64_t off = (static_cast<int64_t>(j) * KV + g) * D + part * 8;
+        kr[u] = load_raw(k + off);
+        vr[u] = load_raw(v + off);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * kStride >= kend) break;  // uniform: no key of this group in the warp
+      const bool valid = base + u * kStride + slot < kend;
+      float kf[8], vf[8];
+      if (valid) {
+        to_float8<T>(kf, kr[u]);
+        to_float8<T>(vf, vr[u]);
+      }
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        float sc = 0.0f;
+        if (valid)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sc += qf[h][i] * kf[i];
+#pragma unroll
+        for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+        if (!valid) continue;
+        const float mn = fmaxf(m[h], sc), a = exp2f(m[h] - mn), p = exp2f(sc - mn);
+        l[h] = l[h] * a + p;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[h][i] = acc[h][i] * a + p * vf[i];
+        m[h] = mn;
+      }
+    }
+  }
+  // Merge the key slots of the warp (lanes with the same part), then the warps.
+  __shared__ float sm[kWarps][G], sl[kWarps][G], sacc[kWarps][G][D];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    for (int o = LPK; o < 32; o <<= 1) {
+      float acc2[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc2[i] = __shfl_xor_sync(0xffffffffu, acc[h][i], o);
+      const float m2 = __shfl_xor_sync(0xffffffffu, m[h], o), l2 = __shfl_xor_sync(0xffffffffu, l[h], o);
+      merge_state(m[h], l[h], acc[h], m2, l2, acc2);
+    }
+    if (slot == 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sacc[warp][h][part * 8 + i] = acc[h][i];
+      if (part == 0) sm[warp][h] = m[h], sl[warp][h] = l[h];
+    }
+  }
+  __syncthreads();
+  // Thread t finishes element d = t % D of head h = t / D (looping when G * D exceeds the block).
+  for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
+    const int h = t / D, d = t % D;
+    float mm = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, sm[w][h]);
+    float ll = 0.0f, a = 0.0f;
+    if (mm != -INFINITY)
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = exp2f(sm[w][h] - mm);
+        ll += sl[w][h] * f;
+        a += sacc[w][h][d] * f;
+      }
+    const int64_t row = static_cast<int64_t>(s) * H + g * G + h;
+    if constexpr (sizeof(T) == 2)
+      out[row * D + d] = __float2bfloat16_rn(ll > 0.0f ? a / ll : 0.0f);
+    else
+      out[row * D + d] = ll > 0.0f ? a / ll : 0.0f;
+    if (d == 0) lse[row] = ll > 0.0f ? (mm + log2f(ll)) / kLog2e : -INFINITY;
+  }
+}
+
+template <typename T, int D, int G>
+void launch(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_k, const int32_t* pos_q,
+            const int32_t* pos_k, int64_t nseq, int64_t H, int64_t KV, float scale, cudaStream_t stream) {
+  decode_kernel<T, D, G>
+      <<<dim3(static_cast<unsigned>(nseq), static_cast<unsigned>(KV)), kWarps * 32, 0, stream>>>(
+          out, lse, q, k, v, cu_k, pos_q, pos_k, static_cast<int>(H), static_cast<int>(KV), scale);
+  NDT_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, int D>
+bool launch_group(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_k,
+                  const int32_t* pos_q, const int32_t* pos_k, int64_t nseq, int64_t H, int64_t KV,
+                  float scale, cudaStream_t stream) {
+  switch (H / KV) {
+    case 1:
+      launch<T, D, 1>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
+      return true;
+    case 2:
+      launch<T, D, 2>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
+      return true;
+    case 4:
+      launch<T, D, 4>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
+      return true;
+    case 8:
+      launch<T, D, 8>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+template <typename T>
+bool attention_decode(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_k,
+                      const int32_t* pos_q, const int32_t* pos_k, int64_t nseq, int64_t H, int64_t KV,
+                      int64_t D, float scale, cudaStream_t stream) {
+  if (nseq == 0) return true;
+  if (KV <= 0 || H % KV != 0 || (D != 64 && D != 128)) return false;
+  // 16-byte row loads need aligned rows (always so for D = 64/128 on allocator-aligned buffers).
+  for (const void* p :
+       {static_cast<const void*>(q), static_cast<const void*>(k), static_cast<const void*>(v)})
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return D == 64 ? launch_group<T, 64>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream)
+                 : launch_group<T, 128>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
+}
+
+template bool attention_decode<float>(float*, float*, const float*, const float*, const float*,
+                                      const int32_t*, const int32_t*, const int32_t*, int64_t, int64_t,
+                                      int64_t, int64_t, float, cudaStream_t);
+template bool attention_decode<__nv_bfloat16>(__nv_bfloat16*, float*, const __nv_bfloat16*,
+                                              const __nv_bfloat16*, const __nv_bfloat16*, const int32_t*,
+                                              const int32_t*, const int32_t*, int64_t, int64_t, int64_t,
+                                              int64_t, float, cudaStream_t);
+
+}  // namespace ndt::cuda
