@@ -53,7 +53,8 @@ for r in rows:
     print(f'| {r["engine"]} | {r["tokens_per_s"]:,.0f} | {r["ms_per_step"]:.2f} | {ratio} | '
           f'{r.get("same_first_1", "-")} | {r.get("same_first_8", "-")} |')
 if ours:
-    print(f'\nrefit (host fp32 -> device bf16): {ours["refit_seconds"]:.2f} s')
+    print(f'\nrefit of the weights: from full host fp32 tensors (load_full) {ours["refit_seconds"]:.2f} s; '
+          f'from a whole training store on the GPU (refit_from) {ours.get("refit_device_seconds", -1):.3f} s')
     if hf:
         best = max(hf, key=lambda r: r["tokens_per_s"])
         print(f'ndtrain / fastest HF ({best["engine"]}): {ours["tokens_per_s"] / best["tokens_per_s"]:.2f}x')

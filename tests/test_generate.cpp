@@ -90,6 +90,32 @@ TEST(Generate, CachedGreedyMatchesUncachedGpt2) { same_as_uncached(gen_config("g
 TEST(Generate, CachedGreedyMatchesUncachedLlamaGqa) { same_as_uncached(gen_config("llama")); }
 TEST(Generate, CachedGreedyMatchesUncachedMoe) { same_as_uncached(gen_config("llama", 4)); }
 
+// Refit straight from a whole training store gives the weights load_full gives (same tokens and logprobs);
+// a store that lacks a parameter (another model) is refused, copying nothing.
+TEST(Generate, RefitFromAWholeStoreEqualsLoadFull) {
+  const Config cfg = gen_config("llama");
+  Transformer ref(cfg.model, StageSpec{}, nullptr);
+  ref.params().init(5);
+  auto self = make_self_communicator();
+  Generator a(cfg, *self, GenLayout{1}), b(cfg, *self, GenLayout{1});
+  a.load_full(full_weights(ref));
+  ref.params().flatten();
+  ASSERT_TRUE(b.refit_from(ref.params()));
+  const auto prompts = prompts_of({3, 7, 1}, cfg.model.vocab_size, 2);
+  const auto ga = cached_generate(a, prompts, 6, -1, 1.0), gb = cached_generate(b, prompts, 6, -1, 1.0);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(ga[i].tokens, gb[i].tokens);
+    EXPECT_EQ(ga[i].logprobs, gb[i].logprobs);
+  }
+  Config other = cfg;
+  other.model.n_layers = 1;  // lacks layers.1.*
+  Transformer small(other.model, StageSpec{}, nullptr);
+  small.params().init(5);
+  EXPECT_FALSE(b.refit_from(small.params()));
+  const auto gc = cached_generate(b, prompts, 6, -1, 1.0);
+  EXPECT_EQ(gc[0].tokens, ga[0].tokens);  // unchanged
+}
+
 TEST(Generate, StopsAtContextLimit) {
   // max_seq_len 16: a 14-token prompt leaves room for 3 new tokens (a sequence holds at most 17 tokens,
   // the last one never fed back), like a training sample of seq_len + 1 tokens.

@@ -365,6 +365,27 @@ void Generator::load_full(const std::vector<std::pair<std::string, Tensor>>& ful
   ps.with_host_values([&] { copy_global_slices(ps, by_name, "refit weights"); }, /*write_back=*/true);
 }
 
+bool Generator::refit_from(ParamStore& train) {
+  Impl& im = *impl_;
+  ParamStore& dst = im.model->params();
+  bool ok = im.tp == 1 && train.device() == dst.device();
+  for (size_t i = 0; ok && i < dst.all().size(); ++i) {
+    const Param& p = *dst.all()[i];
+    const Param* s = train.find(p.name);
+    ok = s && s->global_shape == p.global_shape && s->value.numel() == p.value.numel() &&
+         s->value.numel() == shape_numel(s->global_shape);
+  }
+  if (im.world.size() > 1) {  // one path for all ranks: load_full's caller gathers collectively
+    double v = ok ? 1.0 : 0.0;
+    im.world.all_reduce(&v, 1, DType::F64, ReduceOp::Min);
+    ok = v > 0;
+  }
+  if (!ok) return false;
+  for (auto& p : dst.all()) p->value.copy_from(train.find(p->name)->value);  // fp32 master values
+  dst.refresh_compute();
+  return true;
+}
+
 std::vector<GenOutput> Generator::generate(const std::vector<GenRequest>& reqs, const SamplingParams& sp,
                                            int64_t step) {
   Impl& im = *impl_;

@@ -14,6 +14,7 @@
 
 #include "core/tensor.h"
 #include "dist/communicator.h"
+#include "model/params.h"
 #include "train/config.h"
 
 namespace ndt {
@@ -56,6 +57,12 @@ class Generator {
   // Refit: full (global) tensors by parameter name, the same on every rank; each rank keeps its TP
   // slice of every parameter, cast to the generation precision. Collective-free.
   void load_full(const std::vector<std::pair<std::string, Tensor>>& full);
+
+  // Refit straight from a training store on this rank (device to device on a GPU, then the cast), when it
+  // holds every parameter whole (a DP/CP-only training layout, ZeRO-1 included) on the generator's device
+  // and the generation layout has no TP. Collective over the world (every rank takes the same path);
+  // returns false, copying nothing, when that does not hold anywhere: use load_full(full_weights) then.
+  bool refit_from(ParamStore& train);
 
   // Generates every request (the same list on every rank); replicas split the list into contiguous
   // blocks; the outputs of all requests are returned on every rank, in request order. Collective over

@@ -19,7 +19,8 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 double PolicySampler::refit() {
   if (!stale_) return 0;
   const auto t0 = std::chrono::steady_clock::now();
-  gen_.load_full(trainer_.full_weights());
+  // Device to device when the training layout holds whole weights here, else gathered from any layout.
+  if (!gen_.refit_from(trainer_.params())) gen_.load_full(trainer_.full_weights());
   stale_ = false;
   return seconds_since(t0);
 }
