@@ -145,8 +145,9 @@ for style, prec, _, idx, algo, label, np_, log in sorted(rows):
         base = (lr, gr)
         print(f"| {style} | {prec} | {algo} | single process (baseline) | 1 | {lr:.8f} | | {gr:.6f} | | | |"
               f" {fmt_r(reward[1]) if reward else '-'} | {kb} | | | |")
-    # Against the baseline row (the first layout's reference, unpacked; from the printed digits): packed rows' own reference packs the
-    # same samples into the same microbatches, so it differs from the baseline by fp32 summation order only.
+    # Against the baseline row (the first layout's reference, unpacked; from the printed digits): packed
+    # rows' own reference packs the same samples into the same microbatches, so it differs from the
+    # baseline by fp32 summation order only.
     div = max(abs(base[0]), 1.0) if algo != "sft" else abs(base[0])
     vb = f"{abs(l - base[0]) / div:.1e}, {abs(g - base[1]) / abs(base[1]):.1e}"
     ks = f"{kl[0]:.1e}" if kl else "-"
