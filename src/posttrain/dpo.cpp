@@ -109,7 +109,7 @@ nlohmann::ordered_json DpoRunner::evaluate(int64_t n) {
   // Unbounded generators: pairs far beyond any step's indices; files: the first n pairs (seen in training).
   const int64_t first = data_.size() < 0 ? (int64_t{1} << 40) : 0;
   const int64_t count = data_.size() < 0 ? n : std::min(n, data_.size());
-  nlohmann::ordered_json m;
+  nlohmann::ordered_json m = nlohmann::ordered_json::object();  // {} when n = 0 (callers merge it)
   if (count <= 0) return m;
   const PairBatch b = pairs(first, count, 0);
   trainer_.swap_weights(reference_);

@@ -181,14 +181,6 @@ PosttrainStep GrpoRunner::step(int64_t step) {
   for (Microbatch& mb : mbs)
     for (int64_t& id : mb.sample_ids)
       if (id >= 0) id += b0;
-  if (c.ep_hooks && dp > 1) {  // MoE layers exchange tokens across DP: every replica needs the same count
-    int64_t counts[2] = {static_cast<int64_t>(mbs.size()), -static_cast<int64_t>(mbs.size())};
-    c.dp->all_reduce(counts, 2, DType::I64, ReduceOp::Max);
-    NDT_CHECK(counts[0] == -counts[1],
-              "GRPO under expert parallelism: DP ranks got {} to {} microbatches from {} rollouts; use "
-              "data.packing: true (it agrees on a count) or a rollout count divisible by dp x micro_batch",
-              -counts[1], counts[0], n);
-  }
 
   GrpoLossOptions lo;
   lo.clip_low = pc.clip_low;

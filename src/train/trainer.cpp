@@ -87,9 +87,28 @@ std::vector<Microbatch> Trainer::microbatches(const std::vector<Sample>& samples
   if (!cfg_.data.packing) {  // every sample padded to seq_len, micro_batch samples per microbatch
     NDT_CHECK(mbs % group == 0, "train.micro_batch ({}) must be a multiple of {} (samples that share a loss)",
               mbs, group);
-    for (int64_t first = 0; first < n; first += mbs) {
-      out.push_back(make_microbatch({samples.begin() + first, samples.begin() + std::min(n, first + mbs)},
-                                    cfg_.data.seq_len, tok_.pad_id()));
+    const int64_t items = n / group, per_mb = mbs / group;
+    int64_t count = (items + per_mb - 1) / per_mb;
+    bool spread = false;
+    if (c_.ep_hooks && c_.dp->size() > 1) {
+      // Expert parallelism couples the DP replicas in every MoE layer: all of them run the same number of
+      // microbatches, the largest any of them needs (post-training blocks of rollouts or pairs can differ by
+      // one sample). A rank that needs fewer spreads its samples evenly over that many (each chunk stays
+      // within micro_batch), with pad-only microbatches where it has fewer samples than microbatches.
+      int64_t m = count;
+      c_.dp->all_reduce(&m, 1, DType::I64, ReduceOp::Max);
+      spread = m != count;
+      count = m;
+    }
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t first = group * (spread ? c * items / count : c * per_mb),
+                    last = group * (spread ? (c + 1) * items / count : std::min(items, (c + 1) * per_mb));
+      if (first == last) {
+        out.push_back(pack_samples({}, tok_.pad_id(), pack_layout_()));
+        continue;
+      }
+      out.push_back(make_microbatch({samples.begin() + first, samples.begin() + last}, cfg_.data.seq_len,
+                                    tok_.pad_id()));
       for (int64_t& id : out.back().sample_ids) id += first;
     }
     return out;

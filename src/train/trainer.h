@@ -68,7 +68,8 @@ class Trainer {
   StepStats train_step_on(int64_t step, const std::vector<Microbatch>& mbs, TokenLoss& loss);
   // This layout's microbatches of this DP rank's samples (micro_batch per microbatch, or packed). Samples
   // come in groups of `group` consecutive ones that always share a microbatch (DPO pairs). sample_ids index
-  // `samples`. Under expert parallelism (packed) collective over DP.
+  // `samples`. Under expert parallelism collective over DP: every DP rank gets the same number of
+  // microbatches (packed or padded; pad-only ones where a rank has fewer samples than that number).
   std::vector<Microbatch> microbatches(const std::vector<Sample>& samples, int64_t group = 1) const;
   // The run's communicators (post-training builds its own collectives on them).
   const RunComms& comms() const { return c_; }
