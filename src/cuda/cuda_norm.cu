@@ -120,10 +120,86 @@ bool use_vec(int64_t C, std::initializer_list<const void*> ptrs) {
   return C % detail::kVec<E> == 0 && detail::all_aligned16(ptrs);
 }
 
+// Few rows (a decode step): one block per row instead of one warp, so a row's loads are issued in one
+// round rather than C / 256 dependent rounds of one warp. Fixed-order reductions (warps, then the warps'
+// sums in order), like the warp kernel's up to summation order.
+constexpr int kRowThreads = 256;
+constexpr int64_t kFewRows = 256;  // up to this many rows: norm_forward_row_kernel
+__device__ float block_sum_ordered(float x) {
+  __shared__ float part[kRowThreads / 32];
+  __shared__ float res;
+  x = detail::warp_sum(x);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = x;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float r = 0.f;
+    for (int w = 0; w < kRowThreads / 32; ++w) r += part[w];
+    res = r;
+  }
+  __syncthreads();
+  return res;
+}
+
+template <typename E, int VEC, bool RMS>
+__global__ void __launch_bounds__(kRowThreads)
+    norm_forward_row_kernel(E* out, float* mean, float* rstd, const E* inp, const E* weight, const E* bias,
+                            int64_t C, float eps) {
+  const int64_t t = blockIdx.x;
+  const E* x = inp + t * C;
+  float m = 0.f;
+  if constexpr (!RMS) {
+    float s = 0.f;
+    for (int64_t c = threadIdx.x * VEC; c < C; c += kRowThreads * VEC) {
+      float v[VEC];
+      load<VEC>(v, x, c);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) s += v[k];
+    }
+    m = block_sum_ordered(s) / static_cast<float>(C);
+  }
+  float ss = 0.f;
+  for (int64_t c = threadIdx.x * VEC; c < C; c += kRowThreads * VEC) {
+    float v[VEC];
+    load<VEC>(v, x, c);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) ss += (v[k] - m) * (v[k] - m);
+  }
+  const float rs = 1.0f / sqrtf(block_sum_ordered(ss) / static_cast<float>(C) + eps);
+  E* o = out + t * C;
+  for (int64_t c = threadIdx.x * VEC; c < C; c += kRowThreads * VEC) {
+    float v[VEC], w[VEC], b[VEC];
+    load<VEC>(v, x, c);
+    load<VEC>(w, weight, c);
+    if (!RMS && bias) {
+      load<VEC>(b, bias, c);
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) b[k] = 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) v[k] = ((v[k] - m) * rs) * w[k] + b[k];
+    store<VEC>(o, c, v);
+  }
+  if (threadIdx.x == 0) {
+    if (!RMS && mean) mean[t] = m;
+    if (rstd) rstd[t] = rs;
+  }
+}
+
 template <typename E, bool RMS>
 void norm_forward(E* out, float* mean, float* rstd, const E* inp, const E* weight, const E* bias, int64_t T,
                   int64_t C, float eps, cudaStream_t stream) {
   if (T <= 0 || C <= 0) return;
+  if (T <= kFewRows) {  // a decode step: a block per row
+    if (use_vec<E>(C, {out, inp, weight, bias}))
+      norm_forward_row_kernel<E, detail::kVec<E>, RMS>
+          <<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(out, mean, rstd, inp, weight, bias, C, eps);
+    else
+      norm_forward_row_kernel<E, 1, RMS>
+          <<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(out, mean, rstd, inp, weight, bias, C, eps);
+    NDT_CUDA_CHECK_LAUNCH();
+    return;
+  }
   const unsigned grid = static_cast<unsigned>((T + kWarps - 1) / kWarps);
   if (use_vec<E>(C, {out, inp, weight, bias})) {
     norm_forward_kernel<E, detail::kVec<E>, RMS>

@@ -74,17 +74,18 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int s = blockIdx.x, g = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slot = lane / LPK, part = lane % LPK;
-  // Visible keys: positions are non-decreasing in a segment, so they are a prefix [k0, k0 + n).
+  // Visible keys: positions are non-decreasing in a segment, so they are a prefix [k0, k0 + n), n the
+  // count of positions <= pq, counted by the whole block in one round of loads (a binary search would be
+  // a chain of dependent loads, several microseconds at this size).
   const int k0 = cu_k[s], k1 = cu_k[s + 1], pq = pos_q[s];
-  int lo = k0, hi = k1;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (pos_k[mid] <= pq)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  const int kend = lo;
+  __shared__ int visible;
+  if (threadIdx.x == 0) visible = 0;
+  __syncthreads();
+  int cnt = 0;
+  for (int j = k0 + threadIdx.x; j < k1; j += blockDim.x) cnt += pos_k[j] <= pq;
+  atomicAdd(&visible, cnt);  // integer: exact in any order
+  __syncthreads();
+  const int kend = k0 + visible;
   float qf[G][8];
 #pragma unroll
   for (int h = 0; h < G; ++h) {

@@ -218,6 +218,29 @@ TYPED_TEST(CudaOps, Activations) {
   expect_close<E>("scale_inplace", y.get(), ry);
 }
 
+// The norms' forward takes a block per row up to 256 rows (Norms above, T = 37) and a warp per row beyond:
+// the warp kernel against the CPU too.
+TYPED_TEST(CudaOps, NormForwardManyRows) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  const int64_t rows = 300, n = rows * C;
+  const Vec x = rounded<E>(randv(n, 20, 0.1f, 2.f)), w = rounded<E>(randv(C, 21)),
+            b = rounded<E>(randv(C, 22));
+  Dev<E> dx(x), dw(w), db(b), out(n);
+  Dev<float> mean(rows), rstd(rows);
+  Vec ro(n), rm(rows), rr(rows);
+  out.poison();
+  ndt::cuda::layernorm_forward<E>(out.p, mean.p, rstd.p, dx.p, dw.p, db.p, rows, C, 1e-5f);
+  ndt::cpu::layernorm_forward(ro.data(), rm.data(), rr.data(), x.data(), w.data(), b.data(), rows, C, 1e-5f);
+  expect_close<E>("layernorm_forward (warp per row)", out.get(), ro);
+  expect_close<E>("layernorm_forward mean (warp per row)", mean.get(), rm, 1e-5);
+  out.poison();
+  ndt::cuda::rmsnorm_forward<E>(out.p, rstd.p, dx.p, dw.p, rows, C, 1e-6f);
+  ndt::cpu::rmsnorm_forward(ro.data(), rr.data(), x.data(), w.data(), rows, C, 1e-6f);
+  expect_close<E>("rmsnorm_forward (warp per row)", out.get(), ro);
+  expect_close<E>("rmsnorm_forward rstd (warp per row)", rstd.get(), rr, 1e-5);
+}
+
 TYPED_TEST(CudaOps, Norms) {
   NDT_REQUIRE_GPU();
   using E = TypeParam;
