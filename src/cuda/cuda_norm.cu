@@ -12,35 +12,34 @@ using detail::store;
 using detail::to_f;
 constexpr int kWarps = 8;  // rows per block
 
+// One row normalized by N cooperating threads (thread `tid` of them), their sums combined by `reduce`.
 // RMS: no mean, no bias.
-template <typename E, int VEC, bool RMS>
-__global__ void norm_forward_kernel(E* out, float* mean, float* rstd, const E* inp, const E* weight,
-                                    const E* bias, int64_t T, int64_t C, float eps) {
-  const int lane = threadIdx.x & 31;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (t >= T) return;
+template <typename E, int VEC, bool RMS, int N, typename Reduce>
+__device__ __forceinline__ void norm_row(E* out, float* mean, float* rstd, const E* inp, const E* weight,
+                                         const E* bias, int64_t t, int64_t C, float eps, int tid,
+                                         Reduce reduce) {
   const E* x = inp + t * C;
   float m = 0.f;
   if constexpr (!RMS) {
     float s = 0.f;
-    for (int64_t c = lane * VEC; c < C; c += 32 * VEC) {
+    for (int64_t c = tid * VEC; c < C; c += N * VEC) {
       float v[VEC];
       load<VEC>(v, x, c);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) s += v[k];
     }
-    m = detail::warp_sum(s) / static_cast<float>(C);
+    m = reduce(s) / static_cast<float>(C);
   }
   float ss = 0.f;
-  for (int64_t c = lane * VEC; c < C; c += 32 * VEC) {
+  for (int64_t c = tid * VEC; c < C; c += N * VEC) {
     float v[VEC];
     load<VEC>(v, x, c);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) ss += (v[k] - m) * (v[k] - m);
   }
-  const float rs = 1.0f / sqrtf(detail::warp_sum(ss) / static_cast<float>(C) + eps);
+  const float rs = 1.0f / sqrtf(reduce(ss) / static_cast<float>(C) + eps);
   E* o = out + t * C;
-  for (int64_t c = lane * VEC; c < C; c += 32 * VEC) {
+  for (int64_t c = tid * VEC; c < C; c += N * VEC) {
     float v[VEC], w[VEC], b[VEC];
     load<VEC>(v, x, c);
     load<VEC>(w, weight, c);
@@ -54,10 +53,20 @@ __global__ void norm_forward_kernel(E* out, float* mean, float* rstd, const E* i
     for (int k = 0; k < VEC; ++k) v[k] = ((v[k] - m) * rs) * w[k] + b[k];
     store<VEC>(o, c, v);
   }
-  if (lane == 0) {
+  if (tid == 0) {
     if (!RMS && mean) mean[t] = m;
     if (rstd) rstd[t] = rs;
   }
+}
+
+// A warp per row.
+template <typename E, int VEC, bool RMS>
+__global__ void norm_forward_kernel(E* out, float* mean, float* rstd, const E* inp, const E* weight,
+                                    const E* bias, int64_t T, int64_t C, float eps) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (t >= T) return;
+  norm_row<E, VEC, RMS, 32>(out, mean, rstd, inp, weight, bias, t, C, eps, threadIdx.x & 31,
+                            [](float v) { return detail::warp_sum(v); });
 }
 
 template <typename E, int VEC, bool RMS>
@@ -120,9 +129,9 @@ bool use_vec(int64_t C, std::initializer_list<const void*> ptrs) {
   return C % detail::kVec<E> == 0 && detail::all_aligned16(ptrs);
 }
 
-// Few rows (a decode step): one block per row instead of one warp, so a row's loads are issued in one
-// round rather than C / 256 dependent rounds of one warp. Fixed-order reductions (warps, then the warps'
-// sums in order), like the warp kernel's up to summation order.
+// Few rows (a decode step): a block per row instead of a warp, so a row's loads are issued in one round
+// rather than C / 256 dependent rounds of one warp. Fixed-order reductions (warps, then the warps' sums in
+// order): the warp kernel's results up to summation order.
 constexpr int kRowThreads = 256;
 constexpr int64_t kFewRows = 256;  // up to this many rows: norm_forward_row_kernel
 __device__ float block_sum_ordered(float x) {
@@ -144,46 +153,8 @@ template <typename E, int VEC, bool RMS>
 __global__ void __launch_bounds__(kRowThreads)
     norm_forward_row_kernel(E* out, float* mean, float* rstd, const E* inp, const E* weight, const E* bias,
                             int64_t C, float eps) {
-  const int64_t t = blockIdx.x;
-  const E* x = inp + t * C;
-  float m = 0.f;
-  if constexpr (!RMS) {
-    float s = 0.f;
-    for (int64_t c = threadIdx.x * VEC; c < C; c += kRowThreads * VEC) {
-      float v[VEC];
-      load<VEC>(v, x, c);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) s += v[k];
-    }
-    m = block_sum_ordered(s) / static_cast<float>(C);
-  }
-  float ss = 0.f;
-  for (int64_t c = threadIdx.x * VEC; c < C; c += kRowThreads * VEC) {
-    float v[VEC];
-    load<VEC>(v, x, c);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) ss += (v[k] - m) * (v[k] - m);
-  }
-  const float rs = 1.0f / sqrtf(block_sum_ordered(ss) / static_cast<float>(C) + eps);
-  E* o = out + t * C;
-  for (int64_t c = threadIdx.x * VEC; c < C; c += kRowThreads * VEC) {
-    float v[VEC], w[VEC], b[VEC];
-    load<VEC>(v, x, c);
-    load<VEC>(w, weight, c);
-    if (!RMS && bias) {
-      load<VEC>(b, bias, c);
-    } else {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) b[k] = 0.f;
-    }
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) v[k] = ((v[k] - m) * rs) * w[k] + b[k];
-    store<VEC>(o, c, v);
-  }
-  if (threadIdx.x == 0) {
-    if (!RMS && mean) mean[t] = m;
-    if (rstd) rstd[t] = rs;
-  }
+  norm_row<E, VEC, RMS, kRowThreads>(out, mean, rstd, inp, weight, bias, blockIdx.x, C, eps, threadIdx.x,
+                                     [](float v) { return block_sum_ordered(v); });
 }
 
 template <typename E, bool RMS>

@@ -26,13 +26,7 @@ Tensor randt(Shape s, std::mt19937& rng) {
   return t;
 }
 
-Tensor to_dev(const Tensor& host, DType dt) {
-  Tensor f = host.to(Device::CUDA);
-  if (dt == DType::F32) return f;
-  Tensor d = Tensor::empty(host.shape(), dt, Device::CUDA);
-  ops::cast_into(d, f);
-  return d;
-}
+using testing::to_device_as;
 
 double rel_l2(const Tensor& a, const Tensor& b, bool skip_inf = false) {
   double num = 0, den = 0;
@@ -74,14 +68,14 @@ TEST(CudaDecodeAttention, MatchesCpuTwinOnACacheLayout) {
       cu_k.push_back(static_cast<int32_t>(nseq * max_len));
       Tensor q = randt({nseq, sh.H, sh.D}, rng), k = randt({nseq * max_len, sh.KV, sh.D}, rng),
              v = randt({nseq * max_len, sh.KV, sh.D}, rng);
-      const Tensor qd = to_dev(q, dt), kd = to_dev(k, dt), vd = to_dev(v, dt);
+      const Tensor qd = to_device_as(q, dt), kd = to_device_as(k, dt), vd = to_device_as(v, dt);
       // The CPU sees the values the device holds (bf16-rounded where dt is bf16).
       q = ops::to_host_f32(qd), k = ops::to_host_f32(kd), v = ops::to_host_f32(vd);
       const Tensor cuk = Tensor::from_vector(cu_k, {nseq + 1}), pq = Tensor::from_vector(pos_q, {nseq}),
                    pk = Tensor::from_vector(pos_k, {nseq * max_len});
       Tensor out = Tensor::empty({nseq, sh.H, sh.D}), lse = Tensor::empty({nseq, sh.H});
       ops::attention_decode(out, lse, q, k, v, cuk, pq, pk, scale);
-      Tensor outd = to_dev(Tensor::full({nseq, sh.H, sh.D}, NAN), dt);
+      Tensor outd = to_device_as(Tensor::full({nseq, sh.H, sh.D}, NAN), dt);
       Tensor lsed = Tensor::full({nseq, sh.H}, NAN).to(Device::CUDA);
       ops::attention_decode(outd, lsed, qd, kd, vd, cuk.to(Device::CUDA), pq.to(Device::CUDA),
                             pk.to(Device::CUDA), scale);
@@ -104,7 +98,7 @@ TEST(CudaDecodeAttention, ScatterRowsMatchesHost) {
     Tensor dst = randt({50, 3, 8}, rng), src = randt({7, 3, 8}, rng);
     std::vector<int32_t> rows = {49, 0, 17, 18, 3, 30, 8};
     const Tensor r = Tensor::from_vector(rows, {7});
-    Tensor dd = to_dev(dst, dt), sd = to_dev(src, dt);
+    Tensor dd = to_device_as(dst, dt), sd = to_device_as(src, dt);
     dst = ops::to_host_f32(dd), src = ops::to_host_f32(sd);
     ops::scatter_rows(dst, r, src);
     ops::scatter_rows(dd, r.to(Device::CUDA), sd);

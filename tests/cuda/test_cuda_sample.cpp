@@ -15,13 +15,7 @@
 namespace ndt {
 namespace {
 
-Tensor to_dev(const Tensor& host, DType dt) {
-  Tensor f = host.to(Device::CUDA);
-  if (dt == DType::F32) return f;
-  Tensor d = Tensor::empty(host.shape(), dt, Device::CUDA);
-  ops::cast_into(d, f);
-  return d;
-}
+using testing::to_device_as;
 
 struct Case {
   int64_t n, V;
@@ -49,7 +43,7 @@ TEST(CudaSample, MatchesCpuTwin) {
         const int64_t a = std::max_element(row, row + c.V) - row;
         row[(a + c.V / 2) % c.V] = row[a];
       }
-      const Tensor dev = to_dev(host, dt);
+      const Tensor dev = to_device_as(host, dt);
       const Tensor same = ops::to_host_f32(dev);  // the values the device sees
       std::vector<double> u(static_cast<size_t>(c.n));
       for (double& x : u) x = unif(rng);
