@@ -81,7 +81,8 @@ void run_posttrain(Trainer& trainer, const Tokenizer& tok, Communicator& world) 
   if (logger) {
     std::filesystem::create_directories(tc.out_dir);
     std::ofstream(std::filesystem::path(tc.out_dir) / "config.yaml") << config_to_yaml(cfg);
-    metrics = std::make_unique<MetricsWriter>(MetricsWriter::open(tc.out_dir).value());
+    metrics = std::make_unique<MetricsWriter>(
+        MetricsWriter::open(tc.out_dir, /*append=*/false, tc.tensorboard).value());
     std::printf("ndtrain %s: %s model, task %s, %d rank(s), %lld steps, generation tp=%lld\n",
                 pc.algo.c_str(), cfg.model.style.c_str(), pc.task.c_str(), world.size(),
                 static_cast<long long>(tc.steps), static_cast<long long>(pc.gen_tp));

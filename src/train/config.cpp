@@ -154,6 +154,7 @@ const std::vector<KeyDef>& schema() {
       str_key("train.device", {"cpu", "cuda"}, t(&T::device)),
       str_key("train.precision", {"auto", "fp32", "bf16"}, t(&T::precision)),
       bool_key("train.recompute", t(&T::recompute)),
+      bool_key("train.tensorboard", t(&T::tensorboard)),
 
       int_key("parallel.tp", 1, 4096, p(&P::tp)),
       int_key("parallel.cp", 1, 4096, p(&P::cp)),

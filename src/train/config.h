@@ -97,6 +97,7 @@ struct TrainConfig {
   std::string device = "cpu";            // "cpu" | "cuda" (the GPU of local rank % device count)
   std::string precision = "auto";        // "auto" (bf16 on cuda, fp32 on cpu) | "fp32" | "bf16"
   bool recompute = false;                // recompute each layer's forward during backward (less memory)
+  bool tensorboard = false;              // also write metrics as TensorBoard events (<out_dir>/tensorboard)
   // precision with "auto" resolved.
   std::string effective_precision() const {
     return precision != "auto" ? precision : (device == "cuda" ? "bf16" : "fp32");

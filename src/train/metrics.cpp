@@ -8,6 +8,8 @@
 #include <limits>
 #include <sstream>
 
+#include "train/tensorboard.h"
+
 namespace ndt {
 
 namespace fs = std::filesystem;
@@ -17,7 +19,38 @@ using nlohmann::json;
 // metrics.jsonl
 // ---------------------------------------------------------------------------------------------------
 
-Result<MetricsWriter> MetricsWriter::open(const std::string& out_dir, bool append) {
+MetricsWriter::MetricsWriter() = default;
+MetricsWriter::MetricsWriter(MetricsWriter&&) noexcept = default;
+MetricsWriter& MetricsWriter::operator=(MetricsWriter&&) noexcept = default;
+MetricsWriter::~MetricsWriter() = default;
+
+std::string MetricsWriter::tensorboard_path() const { return tb_ ? tb_->path() : std::string(); }
+
+namespace {
+void add_leaves(const json& j, const std::string& tag, std::vector<std::pair<std::string, float>>& out) {
+  if (j.is_number()) {
+    out.emplace_back(tag, static_cast<float>(j.get<double>()));
+  } else if (j.is_boolean()) {
+    out.emplace_back(tag, j.get<bool>() ? 1.0f : 0.0f);
+  } else if (j.is_object()) {
+    for (auto it = j.begin(); it != j.end(); ++it) add_leaves(it.value(), tag + "/" + it.key(), out);
+  } else if (j.is_array()) {
+    for (size_t i = 0; i < j.size(); ++i) add_leaves(j[i], tag + "/" + std::to_string(i), out);
+  }
+}
+}  // namespace
+
+std::vector<std::pair<std::string, float>> tensorboard_scalars(const json& record) {
+  std::vector<std::pair<std::string, float>> out;
+  const std::string type = record.contains("type") && record["type"].is_string()
+                               ? record["type"].get<std::string>()
+                               : std::string("metrics");
+  for (auto it = record.begin(); it != record.end(); ++it)
+    if (it.key() != "step" && it.key() != "type") add_leaves(it.value(), type + "/" + it.key(), out);
+  return out;
+}
+
+Result<MetricsWriter> MetricsWriter::open(const std::string& out_dir, bool append, bool tensorboard) {
   std::error_code ec;
   if (!out_dir.empty()) fs::create_directories(out_dir, ec);
   if (ec) return Status::error(fmt::format("cannot create output directory '{}': {}", out_dir, ec.message()));
@@ -25,6 +58,11 @@ Result<MetricsWriter> MetricsWriter::open(const std::string& out_dir, bool appen
   w.path_ = (fs::path(out_dir.empty() ? "." : out_dir) / "metrics.jsonl").string();
   w.out_.open(w.path_, append ? std::ios::app : std::ios::trunc);
   if (!w.out_) return Status::error(fmt::format("cannot open '{}' for writing", w.path_));
+  if (tensorboard) {
+    auto tb = TensorBoardWriter::open((fs::path(out_dir.empty() ? "." : out_dir) / "tensorboard").string());
+    if (!tb.is_ok()) return tb.status();
+    w.tb_ = std::make_unique<TensorBoardWriter>(std::move(tb.value()));
+  }
   return w;
 }
 
@@ -48,6 +86,8 @@ Status MetricsWriter::write(const json& record) {
   out_ << sanitize(record).dump() << '\n';
   out_.flush();
   if (!out_) return Status::error(fmt::format("write to '{}' failed (disk full?)", path_));
+  if (tb_ && record.contains("step") && record["step"].is_number_integer())
+    return tb_->add(record["step"].get<int64_t>(), tensorboard_scalars(record));
   return Status::ok();
 }
 

@@ -4,6 +4,7 @@
 // who writes; nothing here is collective.
 #include <cstdint>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -16,20 +17,37 @@ namespace ndt {
 // Appends one JSON object per line to `<out_dir>/metrics.jsonl`. Each line is flushed when written, so
 // the file is complete up to the last finished record even if the run dies. Non-finite numbers (NaN,
 // inf) are written as null (JSON has no NaN). Not thread-safe.
+//
+// With tensorboard = true every record with an integer "step" is also written to a TensorBoard event file
+// in <out_dir>/tensorboard/ (train/tensorboard.h): each numeric leaf becomes a scalar tagged
+// "<type>/<key>" (type = the record's "type", e.g. train or eval; nested objects and arrays add
+// "/<key>" and "/<index>"), the same values as the JSON line.
+class TensorBoardWriter;
 class MetricsWriter {
  public:
   // Creates out_dir (and parents). append=false starts a fresh file (truncates an old one);
-  // append=true continues it (resumed runs).
-  static Result<MetricsWriter> open(const std::string& out_dir, bool append = false);
+  // append=true continues it (resumed runs; TensorBoard gets a new event file, which it merges).
+  static Result<MetricsWriter> open(const std::string& out_dir, bool append = false,
+                                    bool tensorboard = false);
+  MetricsWriter();
+  MetricsWriter(MetricsWriter&&) noexcept;
+  MetricsWriter& operator=(MetricsWriter&&) noexcept;
+  ~MetricsWriter();
 
-  // Writes `record` (must be a JSON object) as one line.
+  // Writes `record` (must be a JSON object) as one line (and its scalars to TensorBoard).
   Status write(const nlohmann::json& record);
   const std::string& path() const { return path_; }
+  // The TensorBoard event file ("" when off).
+  std::string tensorboard_path() const;
 
  private:
   std::string path_;
   std::ofstream out_;
+  std::unique_ptr<TensorBoardWriter> tb_;
 };
+
+// The TensorBoard scalars of one metrics record: (tag, value) for every numeric leaf but "step".
+std::vector<std::pair<std::string, float>> tensorboard_scalars(const nlohmann::json& record);
 
 // Reads a metrics.jsonl back (for plotting and tests). Fails naming the file and line on bad JSON.
 Result<std::vector<nlohmann::json>> read_metrics_jsonl(const std::string& path);

@@ -120,8 +120,8 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
   if (logger) {
     std::filesystem::create_directories(tc.out_dir);
     std::ofstream(std::filesystem::path(tc.out_dir) / "config.yaml") << config_to_yaml(cfg_);
-    metrics =
-        std::make_unique<MetricsWriter>(MetricsWriter::open(tc.out_dir, /*append=*/start_step_ > 0).value());
+    metrics = std::make_unique<MetricsWriter>(
+        MetricsWriter::open(tc.out_dir, /*append=*/start_step_ > 0, tc.tensorboard).value());
     std::printf("ndtrain: %s model, %lld parameters, task %s, %d rank(s) [%s%s%s]\n",
                 cfg_.model.style.c_str(), static_cast<long long>(n_params), cfg_.data.task.c_str(),
                 c_.world->size(),
