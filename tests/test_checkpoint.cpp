@@ -573,6 +573,88 @@ TEST(CheckpointHf, ExportImportBitExactAndIndependentHeaderParse) {
   }
 }
 
+// Sharded export (max shard bytes, as save_pretrained(max_shard_size=...)): shards of at most that size in
+// registration order, an index whose weight_map names every tensor once and whose total_size is the sum
+// (checked from the JSON and the shard headers' own offsets), and an import that reads it back bit-exact;
+// bf16 export rounds to nearest even (compared with a rounding done here) and imports as those values;
+// an index naming a shard outside the directory, or a tensor its shard lacks, is refused.
+TEST(CheckpointHf, ShardedAndBf16ExportImport) {
+  TempDir tmp("hfshard");
+  ModelConfig cfg = testing::tiny_model("llama");
+  auto m = make_model(cfg, 5);
+  auto params = full_params_of(*m);
+  const std::string out = tmp.str("hf");
+  HfExportOptions opts;
+  opts.shard_bytes = 3000;  // the tiny model's 2048-byte embedding alone, then a few tensors per shard
+  ASSERT_TRUE(export_hf(out, cfg, params, opts));
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
+  nlohmann::json idx = read_json(out + "/model.safetensors.index.json");
+  std::map<std::string, int64_t> shard_bytes;
+  int64_t total = 0;
+  for (const auto& [name, t] : params) {
+    const std::string hf = hf_name_for(name);
+    ASSERT_TRUE(idx["weight_map"].contains(hf)) << hf;
+    shard_bytes[idx["weight_map"][hf].get<std::string>()] += t.numel() * 4;
+    total += t.numel() * 4;
+  }
+  EXPECT_EQ(idx["weight_map"].size(), params.size());
+  EXPECT_EQ(idx["metadata"]["total_size"].get<int64_t>(), total);
+  EXPECT_GE(shard_bytes.size(), 3u);
+  for (const auto& [file, b] : shard_bytes) {
+    EXPECT_TRUE(b <= 3000 || b == 32 * 16 * 4) << file << " holds " << b << " bytes";
+    EXPECT_NE(file.find("-of-"), std::string::npos);
+    // The shard's own header agrees: its data section is exactly these bytes.
+    const std::string bytes = read_file(out + "/" + file);
+    uint64_t hlen = 0;
+    std::memcpy(&hlen, bytes.data(), 8);
+    EXPECT_EQ(static_cast<int64_t>(bytes.size() - 8 - hlen), b) << file;
+  }
+  auto back = import_hf(out);
+  ASSERT_TRUE(back) << back.status().message();
+  ASSERT_EQ(back.value().second.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_EQ(back.value().second[i].first, params[i].first);
+    EXPECT_EQ(std::memcmp(back.value().second[i].second.data_ptr(), params[i].second.data_ptr(),
+                          static_cast<size_t>(params[i].second.numel()) * 4),
+              0)
+        << params[i].first;
+  }
+
+  // bf16: values rounded to nearest even, here by hand.
+  const std::string out16 = tmp.str("hf16");
+  HfExportOptions o16;
+  o16.bf16 = true;
+  ASSERT_TRUE(export_hf(out16, cfg, params, o16));
+  EXPECT_EQ(read_json(out16 + "/config.json")["torch_dtype"], "bfloat16");
+  auto back16 = import_hf(out16);
+  ASSERT_TRUE(back16) << back16.status().message();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor& a = params[i].second;
+    const Tensor& b = back16.value().second[i].second;
+    for (int64_t j = 0; j < a.numel(); ++j) {
+      uint32_t bits;
+      std::memcpy(&bits, &a.f32()[j], 4);
+      bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+      float want;
+      std::memcpy(&want, &bits, 4);
+      ASSERT_EQ(b.f32()[j], want) << params[i].first << " " << j;
+    }
+  }
+
+  // A shard outside the directory, and a tensor its shard lacks.
+  idx["weight_map"]["model.norm.weight"] = "../model-00001-of-00002.safetensors";
+  std::ofstream(out + "/model.safetensors.index.json") << idx.dump();
+  auto bad = import_hf(out);
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.status().message().find("not a plain file name"), std::string::npos)
+      << bad.status().message();
+  idx["weight_map"]["model.norm.weight"] = idx["weight_map"]["model.embed_tokens.weight"];
+  std::ofstream(out + "/model.safetensors.index.json") << idx.dump();
+  bad = import_hf(out);
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.status().message().find("is not in its shard"), std::string::npos) << bad.status().message();
+}
+
 TEST(CheckpointHf, RejectsGpt2AndBadInput) {
   TempDir tmp("hfbad");
   ModelConfig g = testing::tiny_model("gpt2");

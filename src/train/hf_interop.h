@@ -19,17 +19,28 @@ namespace ndt {
 // placeholder "{e}" for the expert index (model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight).
 std::string hf_name_for(const std::string& ours);
 
-// Writes out_dir/config.json and out_dir/model.safetensors (F32). full_params: every parameter of a
-// style-llama model, full tensors under our global names. lm_head.weight is omitted when tied.
+// Export options: shard_bytes > 0 splits the weights into model-0000i-of-0000n.safetensors files of at
+// most that many bytes each (a larger tensor gets a file of its own) with model.safetensors.index.json,
+// as transformers' save_pretrained(max_shard_size=...) does (one file when everything fits); bf16 stores
+// the weights rounded to bfloat16 (nearest even; config.json's torch_dtype says so).
+struct HfExportOptions {
+  int64_t shard_bytes = 0;
+  bool bf16 = false;
+};
+
+// Writes out_dir/config.json and out_dir/model.safetensors (F32; see HfExportOptions). full_params: every
+// parameter of a style-llama model, full tensors under our global names. lm_head.weight is omitted when tied.
 // An MoE model (cfg.moe.enabled()) is written as MixtralForCausalLM and must be one: softmax router,
 // renormalize true, no shared experts, every layer MoE (first_dense 0, every 1), capacity_factor 0;
 // otherwise the error names the config key.
 Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
-                 const std::vector<std::pair<std::string, Tensor>>& full_params);
+                 const std::vector<std::pair<std::string, Tensor>>& full_params,
+                 const HfExportOptions& opts = {});
 
-// Reads dir/config.json + dir/model.safetensors (F32 or BF16, converted to F32) of a llama or mixtral
-// model_type: returns the ModelConfig (cfg.moe filled for Mixtral) and full tensors under OUR names, in
-// our registration order (per-expert tensors stacked). Errors name the file and the key/tensor.
+// Reads dir/config.json + dir/model.safetensors, or the shards named by dir/model.safetensors.index.json
+// (plain file names inside dir: a path elsewhere is refused), F32 or BF16 (converted to F32), of a llama
+// or mixtral model_type: returns the ModelConfig (cfg.moe filled for Mixtral) and full tensors under OUR
+// names, in our registration order (per-expert tensors stacked). Errors name the file and the key/tensor.
 Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> import_hf(const std::string& dir);
 
 }  // namespace ndt
