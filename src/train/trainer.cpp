@@ -293,12 +293,13 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
 
 std::string Trainer::check_nonfinite(double local_loss, double loss, double grad_norm,
                                      std::optional<bool> local_grads_finite) {
-  enum : int32_t { kLocalLoss = 1, kLoss = 2, kLocalGrad = 4, kGrad = 8 };
+  // kGrad: this rank owns a non-finite reduced gradient; kNorm: the global norm is non-finite.
+  enum : int32_t { kLocalLoss = 1, kLoss = 2, kLocalGrad = 4, kGrad = 8, kNorm = 16 };
   // The norm is summed over every shard of every parameter: NaN or Inf on every rank when any gradient is.
   const int64_t first = std::isfinite(grad_norm) ? -1 : opt_->first_nonfinite_grad();
   int32_t flags = (std::isfinite(local_loss) ? 0 : kLocalLoss) | (std::isfinite(loss) ? 0 : kLoss) |
-                  (local_grads_finite.value_or(true) ? 0 : kLocalGrad) |
-                  (std::isfinite(grad_norm) && first < 0 ? 0 : kGrad);
+                  (local_grads_finite.value_or(true) ? 0 : kLocalGrad) | (first < 0 ? 0 : kGrad) |
+                  (std::isfinite(grad_norm) ? 0 : kNorm);
   Communicator& w = *c_.world;
   int32_t any = flags;
   w.all_reduce(&any, 1, DType::I32, ReduceOp::Max);  // the one collective of a finite step
@@ -330,13 +331,13 @@ std::string Trainer::check_nonfinite(double local_loss, double loss, double grad
     return out;
   };
   std::string msg;
-  if (!ranks(kGrad).empty()) {
-    msg = name.empty() ? "non-finite gradient norm"
+  if (!ranks(kGrad).empty() || !ranks(kNorm).empty()) {
+    msg = name.empty() ? fmt::format("non-finite gradient norm on rank(s) {}", ranks(kNorm))
                        : fmt::format(
                              "non-finite gradient in '{}' (the first parameter, in registration order, "
                              "with a non-finite gradient)",
                              name);
-    msg += fmt::format(" on rank(s) {} after the reduction", ranks(kGrad));
+    if (!name.empty()) msg += fmt::format(" on rank(s) {} after the reduction", ranks(kGrad));
     if (!ranks(kLocalGrad).empty())
       msg +=
           fmt::format("; local gradients non-finite before the reduction on rank(s) {}", ranks(kLocalGrad));
@@ -346,7 +347,7 @@ std::string Trainer::check_nonfinite(double local_loss, double loss, double grad
     msg += fmt::format("non-finite loss on rank(s) {} after the reduction", ranks(kLoss));
     if (!ranks(kLocalLoss).empty())
       msg += fmt::format(" (local loss non-finite before the reduction on rank(s) {})", ranks(kLocalLoss));
-    if (ranks(kGrad).empty()) msg += "; gradients finite";
+    if (ranks(kGrad).empty() && ranks(kNorm).empty()) msg += "; gradients finite";
   }
   return msg;
 }
