@@ -23,6 +23,8 @@
 #include <sstream>
 #include <variant>
 
+#include "train/fault.h"
+
 namespace ndt {
 
 namespace fs = std::filesystem;
@@ -155,6 +157,8 @@ const std::vector<KeyDef>& schema() {
       str_key("train.precision", {"auto", "fp32", "bf16"}, t(&T::precision)),
       bool_key("train.recompute", t(&T::recompute)),
       bool_key("train.tensorboard", t(&T::tensorboard)),
+      str_key("train.nonfinite", {"stop", "skip"}, t(&T::nonfinite)),
+      int_key("train.max_consecutive_skips", 1, kInf, t(&T::max_consecutive_skips)),
 
       int_key("parallel.tp", 1, 4096, p(&P::tp)),
       int_key("parallel.cp", 1, 4096, p(&P::cp)),
@@ -196,6 +200,8 @@ const std::vector<KeyDef>& schema() {
       str_key("posttrain.dpo_logprob", {"sum", "mean"}, r(&PosttrainConfig::dpo_logprob)),
       float_key("posttrain.dpo_sft_coef", 0, kInf, r(&PosttrainConfig::dpo_sft_coef)),
       int_key("posttrain.pairs_per_step", 1, kInf, r(&PosttrainConfig::pairs_per_step)),
+
+      str_key("debug.fault", {}, member(&Config::debug, &DebugConfig::fault)),  // parsed in validate_config
   };
   return rows;
 }
@@ -698,6 +704,19 @@ Status validate_config(const Config& c) {
                          {"pp", p.pp},
                          {"virtual_stages", p.virtual_stages}})
     if (v < 1) return errf("parallel.{} must be >= 1, got {}", name, v);
+  if (t.nonfinite != "stop" && t.nonfinite != "skip")
+    return errf("train.nonfinite must be stop or skip, got '{}'", t.nonfinite);
+  if (t.max_consecutive_skips < 1)
+    return errf("train.max_consecutive_skips must be >= 1, got {}", t.max_consecutive_skips);
+  {
+    auto faults = parse_fault_spec(c.debug.fault);
+    if (!faults) return errf("config key 'debug.fault': {}", faults.status().message());
+    const int64_t world = p.tp * p.cp * p.dp * p.pp;
+    for (const Fault& f : faults.value())
+      if (f.rank >= world)
+        return errf("config key 'debug.fault': rank {} is outside the {} rank(s) of tp * cp * dp * pp",
+                    f.rank, world);
+  }
   if (t.global_batch % p.dp != 0)
     return errf("train.global_batch ({}) must be divisible by parallel.dp ({})", t.global_batch, p.dp);
   if (t.micro_batch > 0 && t.global_batch % (p.dp * t.micro_batch) != 0)

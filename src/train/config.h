@@ -98,6 +98,11 @@ struct TrainConfig {
   std::string precision = "auto";        // "auto" (bf16 on cuda, fp32 on cpu) | "fp32" | "bf16"
   bool recompute = false;                // recompute each layer's forward during backward (less memory)
   bool tensorboard = false;              // also write metrics as TensorBoard events (<out_dir>/tensorboard)
+  // A step whose loss or reduced gradients hold NaN/Inf (docs/reliability.md): "stop" ends the run with an
+  // error on every rank; "skip" leaves weights and optimizer state as they are and goes on, up to
+  // max_consecutive_skips skipped steps in a row (then an error).
+  std::string nonfinite = "stop";
+  int64_t max_consecutive_skips = 5;
   // precision with "auto" resolved.
   std::string effective_precision() const {
     return precision != "auto" ? precision : (device == "cuda" ? "bf16" : "fp32");
@@ -149,12 +154,20 @@ struct PosttrainConfig {
   int64_t pairs_per_step = 8;
 };
 
+// Debugging aids, off by default.
+struct DebugConfig {
+  // Fault injection (train/fault.h, docs/reliability.md), e.g. "nan_grad@step=3,rank=1"; empty = none (the
+  // environment variable NDT_FAULT is read instead).
+  std::string fault;
+};
+
 struct Config {
   ModelConfig model;
   DataConfig data;
   TrainConfig train;
   ParallelConfig parallel;
   PosttrainConfig posttrain;
+  DebugConfig debug;
   std::string source;  // where it came from (file path or "<defaults>"), for messages
 };
 

@@ -5,7 +5,7 @@
 namespace ndt {
 
 MoeStepReport finish_moe_step(const Config& cfg, const std::vector<std::pair<int64_t, MoeLayer*>>& layers,
-                              Communicator& grad, Communicator& tp, Communicator& pp) {
+                              Communicator& grad, Communicator& tp, Communicator& pp, bool update_bias) {
   MoeStepReport rep;
   rep.active = true;
   const int64_t E = cfg.model.moe.num_experts;
@@ -48,6 +48,7 @@ MoeStepReport finish_moe_step(const Config& cfg, const std::vector<std::pair<int
   }
   rep.dropped = slots > 0 ? dropped / slots : 0.0;
   for (const auto& [l, m] : layers) {
+    if (!update_bias) break;
     const auto i = index_of(l);
     m->update_expert_bias(rep.load[i]);
   }

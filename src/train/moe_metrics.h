@@ -22,7 +22,9 @@ struct MoeStepReport {
 };
 
 // Collective over grad (DP x CP), tp and pp. `layers`: this rank's MoE layers (global index, layer).
+// update_bias = false leaves the sigmoid routers' expert bias as it is (a skipped step).
 MoeStepReport finish_moe_step(const Config& cfg, const std::vector<std::pair<int64_t, MoeLayer*>>& layers,
-                              Communicator& grad, Communicator& tp, Communicator& pp);
+                              Communicator& grad, Communicator& tp, Communicator& pp,
+                              bool update_bias = true);
 
 }  // namespace ndt

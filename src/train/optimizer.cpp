@@ -97,6 +97,46 @@ void Optimizer::reduce_early(int64_t begin, int64_t end) {
 }
 
 double Optimizer::reduce_and_clip(double clip) {
+  const double norm = reduce_grads();
+  clip_grads(norm, clip);
+  return norm;
+}
+
+std::optional<bool> Optimizer::local_grads_finite() {
+  if (params_.device() != Device::CPU) return std::nullopt;
+  const Tensor& flat = params_.flat_grads();
+  const float* g = flat.f32();
+  bool ok = true;
+  for (int64_t i = 0, n = flat.numel(); i < n; ++i) ok &= std::isfinite(g[i]);
+  return ok;
+}
+
+int64_t Optimizer::first_nonfinite_grad() {
+  int64_t first = -1;
+  auto& ps = params_.all();
+  for_owned([&](Param& p, Region& r, int64_t b, int64_t e) {
+    const int64_t idx =
+        std::find_if(ps.begin(), ps.end(), [&](const auto& q) { return q.get() == &p; }) - ps.begin();
+    if (first >= 0 && idx >= first) return;
+    const float* g = r.grad(params_) + (b - r.own_begin);
+    bool ok = true;
+    if (params_.device() == Device::CPU) {
+      for (int64_t i = 0; i < e - b; ++i) ok &= std::isfinite(g[i]);
+    }
+#ifdef NDT_HAVE_CUDA
+    else {
+      // A sum of squares of finite floats in double is finite: one reduction per piece (a failure path).
+      Tensor acc = Tensor::zeros({1}, DType::F64, Device::CUDA);
+      cuda::sum_squares_device(acc.data<double>(), g, e - b, /*accumulate=*/false, cuda::stream());
+      ok = std::isfinite(acc.to_vector<double>()[0]);
+    }
+#endif
+    if (!ok) first = idx;
+  });
+  return first;
+}
+
+double Optimizer::reduce_grads() {
   Tensor& flat = params_.flat_grads();
   const bool tp_active = active(c_.tp);
   for (auto& wait : early_waits_) wait();  // DP reductions started under backward (reduce_early)
@@ -161,7 +201,11 @@ double Optimizer::reduce_and_clip(double clip) {
   }
   if (tp_active) c_.tp->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
   if (active(c_.norm_extra)) c_.norm_extra->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
-  const double norm = std::sqrt(ss);
+  grad_scale_ = 1.0f;
+  return std::sqrt(ss);
+}
+
+void Optimizer::clip_grads(double norm, double clip) {
   grad_scale_ = 1.0f;
   if (clip > 0 && norm > clip) {
     if (params_.device() == Device::CPU) {
@@ -172,7 +216,6 @@ double Optimizer::reduce_and_clip(double clip) {
       grad_scale_ = static_cast<float>(clip / (norm + 1e-6));  // applied inside the AdamW kernel
     }
   }
-  return norm;
 }
 
 void Optimizer::step(double lr) {

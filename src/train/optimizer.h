@@ -12,6 +12,7 @@
 // unclipped) and refreshes the bf16 compute copy of the weights in mixed precision.
 #include <functional>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -38,8 +39,20 @@ class Optimizer {
   // The store must be flattened with align = dp size (and expert_align = expert_dp size) when zero1 is
   // set. Each region of the flat buffer (dense, expert) is reduced and ZeRO-sharded over its own group.
   Optimizer(ParamStore& params, const TrainConfig& cfg, OptimizerComms comms);
-  // Steps 1-3 above; returns the global gradient norm before clipping.
+  // Steps 1-3 above; returns the global gradient norm before clipping. The same as reduce_grads() then
+  // clip_grads().
   double reduce_and_clip(double clip);
+  // Steps 1-2 and the norm of step 3 (no clipping); returns the global gradient norm (the same on every
+  // rank; NaN or Inf when any gradient is).
+  double reduce_grads();
+  // Clips to global norm `clip` (0 = off) given the norm reduce_grads() returned.
+  void clip_grads(double norm, double clip);
+  // Before reduce_grads: whether this rank's local (unreduced) gradients are all finite. CPU stores only
+  // (one pass over the flat gradients); nullopt on a device store.
+  std::optional<bool> local_grads_finite();
+  // After reduce_grads: index (registration order in the store) of the first parameter whose reduced
+  // gradient, in the part this rank owns, holds a NaN or Inf; -1 if none. Local (no collective).
+  int64_t first_nonfinite_grad();
   // Overlap of the DP reduction with backward (CUDA, NCCL, plain DP without ZeRO-1): reduce_early starts
   // the all-reduce of flat grads [begin, end) at once, on the communicator's stream, ordered after the
   // backward kernels enqueued so far; reduce_and_clip waits for those and reduces only the rest.

@@ -2,6 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <map>
 
 #include "data/packing.h"
 #include "data/synthetic.h"
@@ -14,6 +19,27 @@
 #endif
 
 namespace ndt {
+namespace {
+
+// Position of each parameter in the single-process registration order, comparable across ranks (whatever
+// stage, TP or EP shard holds it): the embedding, then layer by layer, then the final norm and the head;
+// within each of those the store's own order, which is the same on every rank.
+std::vector<int64_t> global_order_keys(const ParamStore& ps, int64_t n_layers) {
+  std::vector<int64_t> keys;
+  std::map<int64_t, int64_t> seen;
+  for (const auto& p : ps.all()) {
+    int64_t group = n_layers + 1;
+    if (p->name.starts_with("embed.")) {
+      group = 0;
+    } else if (p->name.starts_with("layers.")) {
+      group = 1 + std::strtoll(p->name.c_str() + 7, nullptr, 10);
+    }
+    keys.push_back(group * (int64_t{1} << 20) + seen[group]++);
+  }
+  return keys;
+}
+
+}  // namespace
 
 Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const Dataset& train,
                  const Dataset* val)
@@ -28,6 +54,25 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
             "tokenizer {} has {} tokens but model.vocab_size is {}", tok_.name(), tok_.vocab_size(),
             cfg_.model.vocab_size);
   if (!c_.expert_dp) c_.expert_dp = c_.grad;
+  {
+    // Fault injection (off unless asked for): debug.fault, else the environment's NDT_FAULT.
+    std::string spec = cfg_.debug.fault, where = "config key 'debug.fault'";
+    if (const char* env = std::getenv("NDT_FAULT"); spec.empty() && env != nullptr) {
+      spec = env;
+      where = "NDT_FAULT";
+    }
+    auto faults = parse_fault_spec(spec);
+    if (!faults) throw AgreedError(fmt::format("{}: {}", where, faults.status().message()));
+    faults_ = faults.value();
+    for (const Fault& f : faults_)
+      if (f.rank >= c_.world->size())
+        throw AgreedError(fmt::format("{}: rank {} is outside the {} rank(s) of this run", where, f.rank,
+                                      c_.world->size()));
+    if (!faults_.empty() && c_.world->rank() == 0) {
+      std::printf("fault injection (%s): %s\n", where.c_str(), spec.c_str());
+      std::fflush(stdout);
+    }
+  }
   NDT_CHECK(c_.ep_hooks == nullptr || cfg_.parallel.ep == c_.ep_hooks->size(),
             "EP hooks span {} ranks, parallel.ep is {}", c_.ep_hooks ? c_.ep_hooks->size() : 1,
             cfg_.parallel.ep);
@@ -179,6 +224,7 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   const double t0_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
   double loss_sum = engine_->train(mbs, scale, tracing ? &trace_ : nullptr, t0_us, token_loss);
+  if (auto v = fault_value(faults_, /*grad=*/false, step, c_.world->rank())) loss_sum = *v;
   engine_->end_moe_step();
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (step > 0) {  // step 0 includes one-time allocation
@@ -187,17 +233,50 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   }
   theory_bubble_ = engine_->theoretical_bubble(static_cast<int>(mbs.size()));
   engine_->sync_tied_grads();
+  if (auto v = fault_value(faults_, /*grad=*/true, step, c_.world->rank())) {
+    // After backward, before the reduction: element 0 of the first local parameter's gradient.
+    engine_->params().all().front()->grad.view_at(0, {1}).copy_from(Tensor::full({1}, *v));
+  }
+  const std::optional<bool> local_grads_finite = opt_->local_grads_finite();
+  const double local_loss = loss_sum;
   c_.pp->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);    // only the last stage holds a loss
   c_.grad->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);  // each CP rank holds its shard's part
   StepStats st;
   st.step = step;
   st.loss = token_loss ? loss_sum : loss_sum / static_cast<double>(n_tokens);  // token losses normalise
   st.tokens = n_tokens;
-  st.grad_norm = opt_->reduce_and_clip(cfg_.train.grad_clip);
+  st.grad_norm = opt_->reduce_grads();
   st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);
-  opt_->step(st.lr);
+  // Non-finite loss or gradients: the same decision on every rank of the world (docs/reliability.md).
+  if (const std::string bad = check_nonfinite(local_loss, st.loss, st.grad_norm, local_grads_finite);
+      !bad.empty()) {
+    const TrainConfig& tc = cfg_.train;
+    if (tc.nonfinite == "stop")
+      throw AgreedError(fmt::format("non-finite values at step {} (train.nonfinite = stop): {}", step, bad));
+    ++skipped_steps_;
+    ++consecutive_skips_;
+    if (consecutive_skips_ >= tc.max_consecutive_skips)
+      throw AgreedError(fmt::format(
+          "{} consecutive steps skipped for non-finite values (train.max_consecutive_skips = {}); the last, "
+          "step {}: {}",
+          consecutive_skips_, tc.max_consecutive_skips, step, bad));
+    if (c_.world->rank() == 0) {
+      std::printf(
+          "step %lld skipped (train.nonfinite = skip; weights and optimizer state unchanged): %s [%lld in "
+          "a row, %lld in total]\n",
+          static_cast<long long>(step), bad.c_str(), static_cast<long long>(consecutive_skips_),
+          static_cast<long long>(skipped_steps_));
+      std::fflush(stdout);
+    }
+    st.skipped = true;
+  } else {
+    consecutive_skips_ = 0;
+    opt_->clip_grads(st.grad_norm, cfg_.train.grad_clip);
+    opt_->step(st.lr);
+  }
+  st.skipped_steps = skipped_steps_;
   if (const auto moe = engine_->moe_layers(); !moe.empty())
-    st.moe = finish_moe_step(cfg_, moe, *c_.grad, *c_.tp, *c_.pp);
+    st.moe = finish_moe_step(cfg_, moe, *c_.grad, *c_.tp, *c_.pp, /*update_bias=*/!st.skipped);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 #ifdef NDT_HAVE_CUDA
   if (engine_->params().device() == Device::CUDA) {
@@ -210,6 +289,67 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
 #endif
   history_.push_back(st);
   return st;
+}
+
+std::string Trainer::check_nonfinite(double local_loss, double loss, double grad_norm,
+                                     std::optional<bool> local_grads_finite) {
+  // kGrad: this rank owns a non-finite reduced gradient; kNorm: the global norm is non-finite.
+  enum : int32_t { kLocalLoss = 1, kLoss = 2, kLocalGrad = 4, kGrad = 8, kNorm = 16 };
+  // The norm is summed over every shard of every parameter: NaN or Inf on every rank when any gradient is.
+  const int64_t first = std::isfinite(grad_norm) ? -1 : opt_->first_nonfinite_grad();
+  int32_t flags = (std::isfinite(local_loss) ? 0 : kLocalLoss) | (std::isfinite(loss) ? 0 : kLoss) |
+                  (local_grads_finite.value_or(true) ? 0 : kLocalGrad) | (first < 0 ? 0 : kGrad) |
+                  (std::isfinite(grad_norm) ? 0 : kNorm);
+  Communicator& w = *c_.world;
+  int32_t any = flags;
+  w.all_reduce(&any, 1, DType::I32, ReduceOp::Max);  // the one collective of a finite step
+  if (any == 0) return {};
+  // Failure path: who saw what, and the first bad parameter over the world with its name.
+  std::vector<int32_t> all(static_cast<size_t>(w.size()));
+  w.all_gather(&flags, all.data(), 1, DType::I32);
+  const std::vector<int64_t> keys = global_order_keys(engine_->params(), cfg_.model.n_layers);
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+  const int64_t key = first >= 0 ? keys[static_cast<size_t>(first)] : kNone;
+  int64_t min_key = key;
+  w.all_reduce(&min_key, 1, DType::I64, ReduceOp::Min);
+  std::string name;
+  if (min_key != kNone) {
+    int32_t owner = key == min_key ? w.rank() : std::numeric_limits<int32_t>::max();
+    w.all_reduce(&owner, 1, DType::I32, ReduceOp::Min);
+    if (w.rank() == owner) name = engine_->params().all()[static_cast<size_t>(first)]->name;
+    int64_t len = static_cast<int64_t>(name.size());
+    w.broadcast(&len, 1, DType::I64, owner);
+    std::vector<int32_t> chars(name.begin(), name.end());
+    chars.resize(static_cast<size_t>(len));
+    w.broadcast(chars.data(), len, DType::I32, owner);
+    name.assign(chars.begin(), chars.end());
+  }
+  auto ranks = [&](int32_t bit) {
+    std::string out;
+    for (size_t r = 0; r < all.size(); ++r)
+      if (all[r] & bit) out += (out.empty() ? "" : ",") + std::to_string(r);
+    return out;
+  };
+  std::string msg;
+  if (!ranks(kGrad).empty() || !ranks(kNorm).empty()) {
+    msg = name.empty() ? fmt::format("non-finite gradient norm on rank(s) {}", ranks(kNorm))
+                       : fmt::format(
+                             "non-finite gradient in '{}' (the first parameter, in registration order, "
+                             "with a non-finite gradient)",
+                             name);
+    if (!name.empty()) msg += fmt::format(" on rank(s) {} after the reduction", ranks(kGrad));
+    if (!ranks(kLocalGrad).empty())
+      msg +=
+          fmt::format("; local gradients non-finite before the reduction on rank(s) {}", ranks(kLocalGrad));
+  }
+  if (!ranks(kLoss).empty() || !ranks(kLocalLoss).empty()) {
+    if (!msg.empty()) msg += "; ";
+    msg += fmt::format("non-finite loss on rank(s) {} after the reduction", ranks(kLoss));
+    if (!ranks(kLocalLoss).empty())
+      msg += fmt::format(" (local loss non-finite before the reduction on rank(s) {})", ranks(kLocalLoss));
+    if (ranks(kGrad).empty() && ranks(kNorm).empty()) msg += "; gradients finite";
+  }
+  return msg;
 }
 
 std::vector<SampleScores> Trainer::score(const std::vector<Sample>& samples, int64_t k) {

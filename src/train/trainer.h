@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "model/transformer.h"
 #include "parallel/pp/pipeline.h"
 #include "train/config.h"
+#include "train/fault.h"
 #include "train/logprobs.h"
 #include "train/moe_metrics.h"
 #include "train/optimizer.h"
@@ -50,6 +52,9 @@ struct StepStats {
   double peak_mem_gib = 0;  // train.device cuda: peak device memory of live tensors so far, max over ranks
   std::vector<double> peak_mem_gib_per_rank;  // the same per world rank (empty on the CPU)
   MoeStepReport moe;                          // MoE models: balancing losses and expert load
+  // train.nonfinite skip: this step's loss or gradients were NaN/Inf and its update was not applied.
+  bool skipped = false;
+  int64_t skipped_steps = 0;  // skipped steps of this run so far (since the start or the resume)
 };
 
 struct EvalStats {
@@ -114,6 +119,11 @@ class Trainer {
   // Whether DP replicas must make the same model calls (expert parallelism exchanges tokens between them).
   bool lockstep() const { return c_.ep_hooks != nullptr; }
   void report_pipeline(bool logger);
+  // The non-finite check of a step (docs/reliability.md), collective over the world: every rank gets the
+  // same answer, empty when the loss and the reduced gradients are finite, else a message naming
+  // the first parameter (registration order) with a non-finite gradient and the ranks that saw it.
+  std::string check_nonfinite(double local_loss, double loss, double grad_norm,
+                              std::optional<bool> local_grads_finite);
 
   Config cfg_;
   RunComms c_;
@@ -131,6 +141,8 @@ class Trainer {
   std::unique_ptr<Optimizer> opt_;
   std::vector<StepStats> history_;
   std::vector<EvalStats> evals_;
+  std::vector<Fault> faults_;  // debug.fault / NDT_FAULT (train/fault.h)
+  int64_t skipped_steps_ = 0, consecutive_skips_ = 0;
 };
 
 }  // namespace ndt

@@ -164,7 +164,9 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
                             {"loss_tokens", st.tokens},
                             {"step_seconds", st.seconds},
                             {"peak_mem_gib", st.peak_mem_gib},
-                            {"elapsed_seconds", elapsed}};
+                            {"elapsed_seconds", elapsed},
+                            {"skipped", st.skipped},
+                            {"skipped_steps", st.skipped_steps}};
       if (!st.peak_mem_gib_per_rank.empty()) rec["peak_mem_gib_per_rank"] = st.peak_mem_gib_per_rank;
       if (st.moe.active) {
         rec["moe_aux_loss"] = st.moe.aux_loss;

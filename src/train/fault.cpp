@@ -1,0 +1,120 @@
+#include "train/fault.h"
+
+#include <charconv>
+#include <cmath>
+#include <limits>
+
+#include "core/check.h"
+
+namespace ndt {
+namespace {
+
+constexpr const char* kSyntax =
+    "expected KIND@step=S[,rank=R] or KIND@steps=A-B[,rank=R], faults separated by ';', KIND one of "
+    "nan_grad, inf_grad, nan_loss, inf_loss";
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t");
+  const auto e = s.find_last_not_of(" \t");
+  return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (;;) {
+    const auto p = s.find(sep, start);
+    out.push_back(trim(s.substr(start, p == std::string::npos ? std::string::npos : p - start)));
+    if (p == std::string::npos) return out;
+    start = p + 1;
+  }
+}
+
+std::optional<int64_t> non_negative(const std::string& s) {
+  int64_t v = 0;
+  auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc() || ptr != s.data() + s.size() || v < 0) return std::nullopt;
+  return v;
+}
+
+Result<Fault> parse_one(const std::string& text) {
+  const auto at = text.find('@');
+  if (at == std::string::npos)
+    return Status::error(fmt::format("fault '{}' has no '@step=...' ({})", text, kSyntax));
+  Fault f;
+  const std::string kind = trim(text.substr(0, at));
+  if (kind == "nan_grad")
+    f.kind = Fault::Kind::NanGrad;
+  else if (kind == "inf_grad")
+    f.kind = Fault::Kind::InfGrad;
+  else if (kind == "nan_loss")
+    f.kind = Fault::Kind::NanLoss;
+  else if (kind == "inf_loss")
+    f.kind = Fault::Kind::InfLoss;
+  else
+    return Status::error(fmt::format("unknown fault kind '{}' in '{}' ({})", kind, text, kSyntax));
+  bool have_step = false, have_rank = false;
+  for (const std::string& arg : split(text.substr(at + 1), ',')) {
+    const auto eq = arg.find('=');
+    const std::string key = trim(arg.substr(0, eq)),
+                      val = eq == std::string::npos ? "" : trim(arg.substr(eq + 1));
+    if (eq == std::string::npos || (key != "step" && key != "steps" && key != "rank"))
+      return Status::error(fmt::format("unknown fault argument '{}' in '{}' ({})", arg, text, kSyntax));
+    if ((key == "rank" && have_rank) || (key != "rank" && have_step))
+      return Status::error(fmt::format("fault '{}' gives '{}' twice", text, key == "rank" ? "rank" : "step"));
+    if (key == "rank") {
+      const auto r = non_negative(val);
+      if (!r)
+        return Status::error(fmt::format("fault '{}': rank must be an integer >= 0, got '{}'", text, val));
+      f.rank = *r;
+      have_rank = true;
+    } else if (key == "step") {
+      const auto s = non_negative(val);
+      if (!s)
+        return Status::error(fmt::format("fault '{}': step must be an integer >= 0, got '{}'", text, val));
+      f.first_step = f.last_step = *s;
+      have_step = true;
+    } else {
+      const auto dash = val.find('-');
+      const auto a = dash == std::string::npos ? std::nullopt : non_negative(trim(val.substr(0, dash)));
+      const auto b = dash == std::string::npos ? std::nullopt : non_negative(trim(val.substr(dash + 1)));
+      if (!a || !b || *a > *b)
+        return Status::error(
+            fmt::format("fault '{}': steps must be A-B with integers 0 <= A <= B, got '{}'", text, val));
+      f.first_step = *a;
+      f.last_step = *b;
+      have_step = true;
+    }
+  }
+  if (!have_step)
+    return Status::error(fmt::format("fault '{}' needs step=S or steps=A-B ({})", text, kSyntax));
+  return f;
+}
+
+}  // namespace
+
+float Fault::value() const {
+  return (kind == Kind::NanGrad || kind == Kind::NanLoss) ? std::numeric_limits<float>::quiet_NaN()
+                                                          : std::numeric_limits<float>::infinity();
+}
+
+Result<std::vector<Fault>> parse_fault_spec(const std::string& spec) {
+  std::vector<Fault> out;
+  if (trim(spec).empty()) return out;
+  for (const std::string& part : split(spec, ';')) {
+    if (part.empty()) return Status::error(fmt::format("empty fault in '{}' ({})", spec, kSyntax));
+    auto f = parse_one(part);
+    if (!f) return f.status();
+    out.push_back(f.value());
+  }
+  return out;
+}
+
+std::optional<float> fault_value(const std::vector<Fault>& faults, bool grad, int64_t step,
+                                 int64_t world_rank) {
+  for (const Fault& f : faults)
+    if (f.on_grad() == grad && f.fires(step, world_rank)) return f.value();
+  return std::nullopt;
+}
+
+}  // namespace ndt

@@ -1,0 +1,36 @@
+cmake_minimum_required(VERSION 3.25)
+# A multi-rank run that must end on EVERY rank with the same error, quickly (no rank left hanging).
+# Usage: cmake -DNDTRAIN=bin -DMPIRUN="a|b|..." -DNP=n -DARGS="train|--config|...|--set|k=v|..."
+#              -DEXPECT="regex" -DMAX_SECONDS=s -P expect_failure.cmake
+# Checks: mpirun exits non-zero within MAX_SECONDS; exactly NP lines "ndtrain [rank r/NP]: error: ..."
+# (one per rank), all the same message after the rank prefix, matching EXPECT (with ';' read as ',').
+string(REPLACE "|" ";" mpirun "${MPIRUN}")
+string(REPLACE "|" ";" args "${ARGS}")
+string(TIMESTAMP t0 "%s")
+execute_process(COMMAND ${mpirun} -np ${NP} ${NDTRAIN} ${args} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                ERROR_VARIABLE err TIMEOUT ${MAX_SECONDS})
+string(TIMESTAMP t1 "%s")
+math(EXPR secs "${t1} - ${t0}")
+if(rc EQUAL 0 OR rc MATCHES "timeout|Process terminated")
+  message(FATAL_ERROR "expected every rank to fail within ${MAX_SECONDS} s, got '${rc}' after ${secs} s:\n${out}\n${err}")
+endif()
+# (';' would split the CMake lists below: messages are compared with it as ',')
+string(REPLACE ";" "," err "${err}")
+string(REGEX MATCHALL "ndtrain \\[rank [0-9]+/${NP}\\]: error: [^\n]*" lines "${err}")
+list(LENGTH lines n)
+if(NOT n EQUAL NP)
+  message(FATAL_ERROR "${n} ranks reported the error, expected ${NP}:\n${out}\n${err}")
+endif()
+set(first "")
+foreach(line IN LISTS lines)
+  string(REGEX REPLACE "^ndtrain \\[rank [0-9]+/${NP}\\]: error: " "" msg "${line}")
+  if(first STREQUAL "")
+    set(first "${msg}")
+  elseif(NOT msg STREQUAL first)
+    message(FATAL_ERROR "ranks disagree:\n${first}\n${msg}")
+  endif()
+endforeach()
+if(NOT first MATCHES "${EXPECT}")
+  message(FATAL_ERROR "the error does not match '${EXPECT}':\n${first}")
+endif()
+message(STATUS "all ${NP} ranks stopped (exit ${rc}) after ${secs} s: ${first}")
