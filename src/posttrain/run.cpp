@@ -64,7 +64,7 @@ PosttrainStep PosttrainSession::step(int64_t step) {
 
 nlohmann::ordered_json PosttrainSession::evaluate() {
   const int64_t n = cfg_.posttrain.eval_samples;
-  nlohmann::ordered_json j;
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();  // eval_samples 0: nothing to report
   if (dpo_) j.update(dpo_->evaluate(n));
   if (policy_ && n > 0) j["exact_match"] = policy_->exact_match(*task_, tok_, n);
   return j;
