@@ -655,14 +655,14 @@ TEST(CheckpointHf, ShardedAndBf16ExportImport) {
   EXPECT_NE(bad.status().message().find("is not in its shard"), std::string::npos) << bad.status().message();
 }
 
-TEST(CheckpointHf, RejectsGpt2AndBadInput) {
+TEST(CheckpointHf, RejectsBadInput) {
   TempDir tmp("hfbad");
   ModelConfig g = testing::tiny_model("gpt2");
+  g.n_kv_heads = 2;  // GPT-2 has no grouped-query attention
   auto m = make_model(g, 1);
   Status st = export_hf(tmp.str("g"), g, full_params_of(*m));
   ASSERT_FALSE(st);
-  EXPECT_NE(st.message().find("llama"), std::string::npos) << st.message();
-  EXPECT_NE(st.message().find("gpt2"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("grouped-query"), std::string::npos) << st.message();
 
   ModelConfig l = testing::tiny_model("llama");
   auto lm = make_model(l, 1);

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -10,12 +11,14 @@
 #include <set>
 #include <sstream>
 
-#include "ops/ops.h"
+#include "train/hf_common.h"
 #include "train/safetensors.h"
 
 namespace fs = std::filesystem;
 
 namespace ndt {
+using hf_detail::HfWeights;
+using hf_detail::read_as_f32;
 namespace {
 
 // One of our tensors and its Hugging Face counterpart(s). hf.size() == 1: the same tensor under another
@@ -109,96 +112,6 @@ std::string mixtral_export_problem(const ModelConfig& cfg) {
   return "";
 }
 
-// The tensors of a Hugging Face directory: one model.safetensors, or the shards its index names.
-class HfWeights {
- public:
-  static Result<HfWeights> open(const std::string& dir) {
-    HfWeights w;
-    const fs::path single = fs::path(dir) / "model.safetensors",
-                   index = fs::path(dir) / "model.safetensors.index.json";
-    if (fs::exists(single)) {
-      auto f = open_safetensors(single.string());
-      if (!f) return f.status();
-      w.add(std::move(f.value()));
-      return w;
-    }
-    if (!fs::exists(index))
-      return Status::error(fmt::format("'{}' is missing (and no '{}')", single.string(), index.string()));
-    std::ifstream in(index);
-    nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-    if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-      return Status::error(fmt::format("'{}': invalid JSON or no \"weight_map\" object", index.string()));
-    std::map<std::string, size_t> file_of;  // shard file -> index in files_
-    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      if (!it.value().is_string())
-        return Status::error(
-            fmt::format("'{}': weight_map[\"{}\"] is not a file name", index.string(), it.key()));
-      const std::string file = it.value().get<std::string>();
-      // Shards are plain names in the directory: no separators, no "..", nothing absolute.
-      if (file.empty() || file.find('/') != std::string::npos || file.find('\\') != std::string::npos ||
-          file == "." || file == "..")
-        return Status::error(fmt::format("'{}': shard \"{}\" of tensor {} is not a plain file name in '{}'",
-                                         index.string(), file, it.key(), dir));
-      if (!file_of.count(file)) {
-        auto f = open_safetensors((fs::path(dir) / file).string());
-        if (!f)
-          return Status::error(
-              fmt::format("'{}' names shard {}: {}", index.string(), file, f.status().message()));
-        file_of[file] = w.files_.size();
-        w.add(std::move(f.value()));
-      }
-      const SafetensorsFile& shard = w.files_[file_of[file]];
-      if (!shard.contains(it.key()))
-        return Status::error(
-            fmt::format("'{}': tensor {} is not in its shard '{}'", index.string(), it.key(), shard.path()));
-      w.where_[it.key()] = file_of[file];
-    }
-    return w;
-  }
-  bool contains(const std::string& name) const { return where_.count(name) != 0; }
-  const SafetensorsFile& file_of(const std::string& name) const { return files_.at(where_.at(name)); }
-  const SafetensorInfo& info(const std::string& name) const { return file_of(name).info(name); }
-  std::vector<std::string> names() const {
-    std::vector<std::string> out;
-    for (const auto& [n, i] : where_) out.push_back(n);
-    return out;
-  }
-  std::string describe() const {
-    return files_.size() == 1 ? files_[0].path() : fmt::format("{} shards", files_.size());
-  }
-
- private:
-  void add(SafetensorsFile f) {  // the index's weight_map, where there is one, decides duplicates
-    const size_t i = files_.size();
-    files_.push_back(std::move(f));
-    for (const std::string& n : files_.back().names())
-      if (!where_.count(n)) where_[n] = i;
-  }
-  std::vector<SafetensorsFile> files_;
-  std::map<std::string, size_t> where_;
-};
-
-// Reads HF tensor `name` (F32, or BF16 widened exactly) into dst, an F32 CPU tensor (or view) of the same
-// shape. Throws Error naming the file and the tensor.
-void read_as_f32(const HfWeights& weights, const std::string& name, Tensor& dst) {
-  const SafetensorsFile& file = weights.file_of(name);
-  const SafetensorInfo& info = file.info(name);
-  if (info.dtype == DType::F32) {
-    file.read_into(name, dst).throw_if_error();
-  } else if (info.dtype == DType::BF16) {
-    Tensor raw = file.read(name);
-    const uint16_t* src = raw.data<uint16_t>();
-    float* out = dst.f32();
-    for (int64_t i = 0; i < dst.numel(); ++i) {
-      uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-      std::memcpy(&out[i], &bits, 4);
-    }
-  } else {
-    throw Error(fmt::format("'{}': tensor {} has dtype {} (only F32 and BF16 are supported)", file.path(),
-                            name, safetensors_dtype_name(info.dtype)));
-  }
-}
-
 }  // namespace
 
 std::string hf_name_for(const std::string& ours) {
@@ -218,10 +131,10 @@ std::string hf_name_for(const std::string& ours) {
 Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
                  const std::vector<std::pair<std::string, Tensor>>& full_params,
                  const HfExportOptions& opts) {
+  if (cfg.is_gpt2()) return export_hf_gpt2(out_dir, cfg, full_params, opts);
   if (cfg.style != "llama")
-    return Status::error(fmt::format(
-        "export_hf: only style llama models can be exported to Hugging Face format (this model is style {})",
-        cfg.style));
+    return Status::error(
+        fmt::format("export_hf: style {} has no Hugging Face counterpart (llama and gpt2 do)", cfg.style));
   if (cfg.n_heads <= 0 || cfg.d_model % cfg.n_heads != 0)
     return Status::error(
         fmt::format("export_hf: d_model {} is not a multiple of n_heads {}", cfg.d_model, cfg.n_heads));
@@ -262,9 +175,6 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
     return Status::error(
         fmt::format("export_hf: parameter {} has no Hugging Face {} counterpart{}", given.begin()->first,
                     arch, given.begin()->first == "lm_head.weight" ? " (the config says tied)" : ""));
-  std::error_code ec;
-  fs::create_directories(out_dir, ec);
-  if (ec) return Status::error(fmt::format("export_hf: cannot create '{}': {}", out_dir, ec.message()));
   nlohmann::ordered_json c;
   c["architectures"] = {moe ? "MixtralForCausalLM" : "LlamaForCausalLM"};
   c["model_type"] = moe ? "mixtral" : "llama";
@@ -285,7 +195,6 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
   c["mlp_bias"] = false;
   c["initializer_range"] = cfg.init_std;
   c["tie_word_embeddings"] = cfg.tied();
-  c["torch_dtype"] = opts.bf16 ? "bfloat16" : "float32";
   if (moe) {
     c["num_local_experts"] = cfg.moe.num_experts;
     c["num_experts_per_tok"] = cfg.moe.top_k;
@@ -294,69 +203,20 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
     c["router_jitter_noise"] = 0.0;
     c["sliding_window"] = nullptr;
   }
-  const std::string cpath = (fs::path(out_dir) / "config.json").string();
-  {
-    std::ofstream f(cpath + ".tmp", std::ios::trunc);
-    f << c.dump(2) << "\n";
-    f.flush();
-    if (!f) return Status::error(fmt::format("export_hf: cannot write '{}'", cpath));
-  }
-  fs::rename(cpath + ".tmp", cpath, ec);
-  if (ec) return Status::error(fmt::format("export_hf: cannot write '{}': {}", cpath, ec.message()));
-  if (opts.bf16)
-    for (auto& [name, t] : out) {
-      Tensor b = Tensor::empty(t.shape(), DType::BF16);
-      ops::cast_into(b, t);  // round to nearest even
-      t = b;
-    }
-  // Shards: consecutive tensors while they fit in shard_bytes (one file when everything does).
-  std::vector<std::vector<std::pair<std::string, Tensor>>> shards(1);
-  int64_t bytes = 0, total = 0;
-  for (auto& nt : out) {
-    const int64_t b = nt.second.numel() * static_cast<int64_t>(dtype_size(nt.second.dtype()));
-    if (opts.shard_bytes > 0 && !shards.back().empty() && bytes + b > opts.shard_bytes) {
-      shards.emplace_back();
-      bytes = 0;
-    }
-    shards.back().push_back(std::move(nt));
-    bytes += b;
-    total += b;
-  }
-  // transformers requires metadata format=pt to load safetensors weights.
-  if (shards.size() == 1)
-    return save_safetensors((fs::path(out_dir) / "model.safetensors").string(), shards[0],
-                            {{"format", "pt"}});
-  nlohmann::ordered_json index;
-  index["metadata"] = {{"total_size", total}};
-  index["weight_map"] = nlohmann::ordered_json::object();
-  for (size_t i = 0; i < shards.size(); ++i) {
-    const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
-    Status st = save_safetensors((fs::path(out_dir) / name).string(), shards[i], {{"format", "pt"}});
-    if (!st.is_ok()) return st;
-    for (const auto& nt : shards[i]) index["weight_map"][nt.first] = name;
-  }
-  const std::string ipath = (fs::path(out_dir) / "model.safetensors.index.json").string();
-  {
-    std::ofstream f(ipath + ".tmp", std::ios::trunc);
-    f << index.dump(2) << "\n";
-    f.flush();
-    if (!f) return Status::error(fmt::format("export_hf: cannot write '{}'", ipath));
-  }
-  fs::rename(ipath + ".tmp", ipath, ec);
-  if (ec) return Status::error(fmt::format("export_hf: cannot write '{}': {}", ipath, ec.message()));
-  return Status::ok();
+  return hf_detail::write_hf_dir(out_dir, c, std::move(out), opts);
 }
 
 Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> import_hf(
     const std::string& dir) {
   const std::string cpath = (fs::path(dir) / "config.json").string();
-  std::ifstream cf(cpath);
-  if (!cf) return Status::error(fmt::format("import_hf: cannot open '{}'", cpath));
-  std::stringstream ss;
-  ss << cf.rdbuf();
-  nlohmann::json c = nlohmann::json::parse(ss.str(), nullptr, false);
-  if (c.is_discarded() || !c.is_object())
-    return Status::error(fmt::format("import_hf: '{}': invalid JSON", cpath));
+  auto cj = hf_detail::read_config_json(dir);
+  if (!cj) return cj.status();
+  const nlohmann::json& c = cj.value();
+  const bool gpt2_arch = c.contains("architectures") && c["architectures"].is_array() &&
+                         std::find(c["architectures"].begin(), c["architectures"].end(), "GPT2LMHeadModel") !=
+                             c["architectures"].end();
+  if ((c.contains("model_type") && c["model_type"] == "gpt2") || (!c.contains("model_type") && gpt2_arch))
+    return import_hf_gpt2(dir, c);
   ModelConfig cfg;
   cfg.style = "llama";
   bool mixtral = false;
@@ -373,9 +233,9 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     if (c.contains("model_type")) {
       const std::string mt = c["model_type"].get<std::string>();
       if (mt != "llama" && mt != "mixtral")
-        return Status::error(
-            fmt::format("import_hf: '{}': model_type is \"{}\", only \"llama\" and \"mixtral\" are supported",
-                        cpath, mt));
+        return Status::error(fmt::format(
+            "import_hf: '{}': model_type is \"{}\", only \"llama\", \"mixtral\" and \"gpt2\" are supported",
+            cpath, mt));
       mixtral = mt == "mixtral";
     } else if (c.contains("architectures")) {
       key = "architectures";

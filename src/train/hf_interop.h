@@ -1,7 +1,8 @@
 #pragma once
-// Hugging Face Llama / Mixtral interop (docs/checkpoints.md): export a full (unsharded) model as a
-// LlamaForCausalLM directory, or an MoE model as a MixtralForCausalLM one (config.json +
-// model.safetensors), and import either back under our names. Our RoPE is rotate-half, the same
+// Hugging Face Llama / Mixtral / GPT-2 interop (docs/checkpoints.md): export a full (unsharded) model as a
+// LlamaForCausalLM directory, an MoE model as a MixtralForCausalLM one, a style gpt2 model as a
+// GPT2LMHeadModel one (config.json + weights, train/hf_gpt2.cpp), and import any of them back under our
+// names. Our RoPE is rotate-half, the same
 // convention as HF's modeling_llama, so q/k weights map 1:1 with no permutation. Our stacked expert
 // tensors (E, ...) are one HF tensor per expert.
 #include <string>
