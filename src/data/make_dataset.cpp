@@ -45,7 +45,9 @@ Result<std::unique_ptr<Dataset>> make_dataset(const DataConfig& cfg, const Token
                       d.value()->vocab_size(), tok.name(), tok.vocab_size()));
     return std::unique_ptr<Dataset>(std::move(d).value());
   }
-  auto d = SftDataset::load(path, tok, cfg.seq_len);
+  auto tmpl = ChatTemplate::named(cfg.chat_template);
+  if (!tmpl) return tmpl.status();
+  auto d = SftDataset::load(path, tok, cfg.seq_len, tmpl.value());
   if (!d) return d.status();
   return std::unique_ptr<Dataset>(std::move(d).value());
 }

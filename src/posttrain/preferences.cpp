@@ -10,7 +10,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
-#include "data/sft.h"
+#include "data/chat_template.h"
 #include "posttrain/tasks.h"
 
 namespace ndt {
@@ -67,19 +67,25 @@ class JsonlPairs final : public PreferenceData {
   std::vector<PreferencePair> pairs_;
 };
 
-Result<std::unique_ptr<PreferenceData>> load_jsonl_pairs(const std::string& path, const Tokenizer& tok) {
+Result<std::unique_ptr<PreferenceData>> load_jsonl_pairs(const std::string& path, const Tokenizer& tok,
+                                                         const std::string& template_name) {
   if (path.empty()) return Status::error("posttrain.task jsonl needs posttrain.data_path");
+  auto named = ChatTemplate::named(template_name);
+  if (!named) return named.status();
+  const ChatTemplate tmpl = named.value();
   std::vector<PreferencePair> pairs;
   Status st = read_jsonl(path, "preference pairs", [&](const nlohmann::json& j, int64_t) -> std::string {
     if (!j.is_object()) return "expected a JSON object {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}";
-    for (const char* k : {"prompt", "chosen", "rejected"}) {
+    std::vector<int32_t> prompt;
+    std::string text;
+    if (std::string err = chat_prompt_of(j, tok, tmpl, prompt, text); !err.empty()) return err;
+    for (const char* k : {"chosen", "rejected"}) {
       if (!j.contains(k)) return fmt::format("\"{}\" is missing", k);
       if (!j[k].is_string()) return fmt::format("\"{}\" must be a string", k);
     }
     const std::string c = j["chosen"].get<std::string>(), r = j["rejected"].get<std::string>();
     if (c == r) return "\"chosen\" and \"rejected\" are the same text (the pair carries no preference)";
-    pairs.push_back(
-        {sft_prompt_tokens(tok, j["prompt"].get<std::string>()), with_eos(tok, c), with_eos(tok, r)});
+    pairs.push_back({std::move(prompt), tmpl.response(tok, c), tmpl.response(tok, r)});
     return "";
   });
   if (!st) return st;
@@ -157,7 +163,7 @@ Sample prompt_response_sample(const std::vector<int32_t>& prompt, const std::vec
 
 Result<std::unique_ptr<PreferenceData>> make_preference_data(const Config& cfg, const Tokenizer& tok) {
   const PosttrainConfig& pc = cfg.posttrain;
-  if (pc.task == "jsonl") return load_jsonl_pairs(pc.data_path, tok);
+  if (pc.task == "jsonl") return load_jsonl_pairs(pc.data_path, tok, cfg.data.chat_template);
   const int64_t digits = cfg.data.addition_digits;
   if ((pc.task == "addition" || pc.task == "sort") && (digits < 1 || digits > 18))
     return Status::error(fmt::format("data.addition_digits must be in 1..18 (got {})", digits));

@@ -17,8 +17,8 @@ namespace ndt {
 
 struct PreferencePair {
   std::vector<int32_t> prompt;    // [BOS] + prompt tokens
-  std::vector<int32_t> chosen;    // response tokens, EOS-terminated
-  std::vector<int32_t> rejected;  // response tokens, EOS-terminated
+  std::vector<int32_t> chosen;    // response tokens (+ the template's end marker), EOS-terminated
+  std::vector<int32_t> rejected;  // response tokens (+ the template's end marker), EOS-terminated
 };
 
 class PreferenceData {
@@ -30,9 +30,10 @@ class PreferenceData {
 
 // posttrain.task "addition" / "sort": pair i is built on training prompt i of make_reward_task's task
 // (same prompt tokens); chosen = its answer, rejected = wrong_*_answer keyed by (data.seed, i).
-// "jsonl": posttrain.data_path lines {"prompt", "chosen", "rejected"} (prompt through sft_prompt_tokens,
-// responses tokenized + EOS); errors name file and line (invalid JSON, missing or non-string fields,
-// chosen == rejected, empty file).
+// "jsonl": posttrain.data_path lines {"prompt", "chosen", "rejected"} or {"messages", "chosen", "rejected"}
+// (the prompt through chat_prompt_of with data.chat_template, responses through ChatTemplate::response:
+// content [+ end marker] + EOS); errors name file and line (invalid JSON, missing or non-string fields,
+// bad messages, chosen == rejected, empty file).
 Result<std::unique_ptr<PreferenceData>> make_preference_data(const Config& cfg, const Tokenizer& tok);
 
 // Sample (tokens + loss mask) of prompt + response: loss mask 1 exactly on the response tokens (incl. EOS).

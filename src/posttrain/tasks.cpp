@@ -10,8 +10,8 @@
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "data/chat_template.h"
 #include "data/dataset.h"
-#include "data/sft.h"
 
 namespace ndt {
 
@@ -99,8 +99,9 @@ class SortRewardTask final : public RewardTask {
 class JsonlRewardTask final : public RewardTask {
  public:
   JsonlRewardTask(std::vector<RlPrompt> train, std::vector<RlPrompt> eval, std::string rule, int64_t budget,
-                  int64_t seed, bool shuffle)
-      : train_(std::move(train)),
+                  int64_t seed, bool shuffle, ChatTemplate tmpl)
+      : tmpl_(tmpl),
+        train_(std::move(train)),
         eval_(std::move(eval)),
         rule_(std::move(rule)),
         budget_(budget),
@@ -117,12 +118,15 @@ class JsonlRewardTask final : public RewardTask {
     const auto k = static_cast<size_t>(std::clamp<int64_t>(n, 0, static_cast<int64_t>(eval_.size())));
     return {eval_.begin(), eval_.begin() + static_cast<std::ptrdiff_t>(k)};
   }
+  // The completion ends with the template's end marker (before the EOS the caller removed): not part of
+  // the answer.
   double reward(const RlPrompt& p, const std::string& c) const override {
-    return rule_reward(rule_, p.answer, c);
+    return rule_reward(rule_, p.answer, tmpl_.completion_text(c));
   }
   int64_t max_answer_tokens() const override { return budget_; }
 
  private:
+  ChatTemplate tmpl_;
   std::vector<RlPrompt> train_, eval_;
   std::string rule_;
   int64_t budget_, seed_;
@@ -136,25 +140,28 @@ Result<std::unique_ptr<RewardTask>> load_jsonl_task(const Config& cfg, const Tok
   if (pc.reward != "exact_match" && pc.reward != "contains" && pc.reward != "numeric")
     return Status::error(
         fmt::format("posttrain.reward is '{}'; expected exact_match, contains or numeric", pc.reward));
+  auto named = ChatTemplate::named(cfg.data.chat_template);
+  if (!named) return named.status();
+  const ChatTemplate tmpl = named.value();
   std::vector<RlPrompt> train, eval;
   int64_t budget = 1;
   Status st = read_jsonl(path, "prompts", [&](const nlohmann::json& j, int64_t) -> std::string {
     if (!j.is_object()) return "expected a JSON object {\"prompt\": ..., \"answer\": ...}";
-    if (!j.contains("prompt")) return "\"prompt\" is missing";
+    std::vector<int32_t> prompt_tokens;
+    std::string split_key;  // what decides the held-out split
+    if (std::string err = chat_prompt_of(j, tok, tmpl, prompt_tokens, split_key); !err.empty()) return err;
     if (!j.contains("answer")) return "\"answer\" is missing";
-    if (!j["prompt"].is_string()) return "\"prompt\" must be a string";
     const auto& a = j["answer"];
     if (!a.is_string() && !a.is_number()) return "\"answer\" must be a string or a number";
-    const std::string prompt = j["prompt"].get<std::string>();
     const std::string answer = a.is_string() ? a.get<std::string>() : a.dump();
     // An empty answer is contained in every completion: a reward that cannot fail teaches nothing.
     if (trim(answer).empty()) return "\"answer\" is empty";
     double x = 0;
     if (pc.reward == "numeric" && !parse_number(answer, x))
       return fmt::format("\"answer\" '{}' is not a number (posttrain.reward: numeric)", answer);
-    RlPrompt p{sft_prompt_tokens(tok, prompt), answer};
-    (is_held_out_text(prompt) ? eval : train).push_back(std::move(p));
-    budget = std::max<int64_t>(budget, static_cast<int64_t>(tok.encode(answer).size()) + 1);
+    RlPrompt p{std::move(prompt_tokens), answer};
+    (is_held_out_text(split_key) ? eval : train).push_back(std::move(p));
+    budget = std::max<int64_t>(budget, static_cast<int64_t>(tmpl.response(tok, answer).size()));
     return "";
   });
   if (!st) return st;
@@ -164,7 +171,7 @@ Result<std::unique_ptr<RewardTask>> load_jsonl_task(const Config& cfg, const Tok
                     "hash of the prompt), none is left to train on; add prompts",
                     path, eval.size()));
   return std::unique_ptr<RewardTask>(new JsonlRewardTask(std::move(train), std::move(eval), pc.reward, budget,
-                                                         cfg.data.seed, cfg.data.shuffle));
+                                                         cfg.data.seed, cfg.data.shuffle, tmpl));
 }
 
 }  // namespace
@@ -183,6 +190,30 @@ double rule_reward(const std::string& rule, const std::string& answer, const std
     return std::abs(a - c) <= 1e-6 * std::max(std::abs(a), std::abs(c)) ? 1.0 : 0.0;
   }
   NDT_FAIL("unknown reward rule '{}' (exact_match, contains, numeric)", rule);
+}
+
+std::string chat_prompt_of(const nlohmann::json& j, const Tokenizer& tok, const ChatTemplate& tmpl,
+                           std::vector<int32_t>& prompt, std::string& text) {
+  const bool has_prompt = j.contains("prompt"), has_messages = j.contains("messages");
+  if (has_prompt && has_messages) return "give either \"prompt\" or \"messages\", not both";
+  if (has_messages) {
+    std::vector<ChatMessage> msgs;
+    if (std::string err = parse_chat_messages(j["messages"], msgs); !err.empty()) return err;
+    if (msgs.empty()) return "\"messages\" is empty (the conversation so far needs a message)";
+    if (msgs.back().role == "assistant")
+      return fmt::format(
+          "messages[{}] is an assistant message; the conversation so far must end with a user or system "
+          "message (the response is generated, or given separately)",
+          msgs.size() - 1);
+    prompt = tmpl.chat_prompt(tok, msgs);
+    text = j["messages"].dump();
+    return "";
+  }
+  if (!has_prompt) return "\"prompt\" is missing (or give \"messages\")";
+  if (!j["prompt"].is_string()) return "\"prompt\" must be a string";
+  text = j["prompt"].get<std::string>();
+  prompt = tmpl.text_prompt(tok, text);
+  return "";
 }
 
 Status read_jsonl(const std::string& path, const std::string& what,

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "data/chat_template.h"
 #include "data/synthetic.h"
 #include "data/tokenizer.h"
 #include "train/config.h"
@@ -41,9 +42,11 @@ class RewardTask {
 //               ([BOS] "a+b="), reward 1 for the exact answer, else 0.
 //   "sort":     lists of 2..sort_max_len(data.addition_digits) digits ([BOS] "sort 3 1 2=", answer "123"),
 //               reward 1 for the exact answer, else 0.
-//   "jsonl":    posttrain.data_path, lines {"prompt": P, "answer": A} (A a string or a number); the prompt
-//               is sft_prompt_tokens(tok, P), the reward rule_reward(posttrain.reward, A, completion).
-//               Held out: the lines with is_held_out_text(P) (1 in 10; identical prompts share a split).
+//   "jsonl":    posttrain.data_path, lines {"prompt": P, "answer": A} or {"messages": [...], "answer": A}
+//               (A a string or a number); the prompt is chat_prompt_of (data.chat_template), the reward
+//               rule_reward(posttrain.reward, A, completion without the template's end marker).
+//               Held out: the lines with is_held_out_text(P) (P the prompt, or the messages' JSON text;
+//               1 in 10; identical prompts share a split).
 // Errors name the file and its 1-based line.
 Result<std::unique_ptr<RewardTask>> make_reward_task(const Config& cfg, const Tokenizer& tok);
 
@@ -54,6 +57,13 @@ Result<std::unique_ptr<RewardTask>> make_reward_task(const Config& cfg, const To
 // Throws on an unknown rule or an answer that is not a number under "numeric" (a completion that is not
 // a number just earns 0).
 double rule_reward(const std::string& rule, const std::string& answer, const std::string& completion);
+
+// The generation prompt of a post-training JSONL line: "prompt": P (a string) through tmpl.text_prompt, or
+// "messages": the conversation so far ({role, content} objects, the last one not the assistant's) through
+// tmpl.chat_prompt, which ends with the assistant header. `text` gets P or the messages' JSON text (a key
+// for the held-out split). Returns "" or an error text (both or neither given, wrong types, bad messages).
+std::string chat_prompt_of(const nlohmann::json& j, const Tokenizer& tok, const ChatTemplate& tmpl,
+                           std::vector<int32_t>& prompt, std::string& text);
 
 // Reads a JSONL file (blank lines skipped), calling on_line(json, line number) for each line; on_line
 // returns "" or an error text, which comes back prefixed with "path:line: ". Also an error: a file that

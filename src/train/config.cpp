@@ -132,6 +132,7 @@ const std::vector<KeyDef>& schema() {
       bool_key("data.packing", d(&D::packing)),
       bool_key("data.shuffle", d(&D::shuffle)),
       int_key("data.pack_tokens", 0, kInf, d(&D::pack_tokens)),
+      str_key("data.chat_template", {"simple", "chatml", "llama3"}, d(&D::chat_template)),
 
       int_key("train.seed", 0, kInf, t(&T::seed)),
       int_key("train.steps", 0, kInf, t(&T::steps)),

@@ -73,6 +73,9 @@ struct DataConfig {
   // size), e.g. to feed another framework the same batches; true = the epoch-wise permutation.
   bool shuffle = true;
   int64_t pack_tokens = 0;  // token budget per microbatch; 0 = micro_batch * seq_len
+  // How SFT JSONL and post-training JSONL prompts become tokens (data/chat_template.h):
+  // "simple" (default), "chatml" or "llama3".
+  std::string chat_template = "simple";
 };
 
 struct TrainConfig {
