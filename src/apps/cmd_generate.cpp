@@ -7,6 +7,7 @@
 
 #include "apps/commands.h"
 #include "apps/setup.h"
+#include "data/chat_template.h"
 #include "data/tokenizer.h"
 #include "generate/generator.h"
 #include "train/config.h"
@@ -15,18 +16,38 @@ namespace ndt::app {
 
 namespace {
 // Prompts of a JSONL file, one {"prompt": "..."} per non-blank line.
-Result<std::vector<std::string>> read_prompts(const std::string& path) {
+// A prompt: text, or a conversation so far (formatted with the run's chat template).
+struct PromptIn {
+  std::string text;  // the prompt as written back in the output (a conversation: its JSON)
+  std::vector<ChatMessage> messages;
+  bool chat = false;
+};
+
+Result<std::vector<PromptIn>> read_prompts(const std::string& path) {
   std::ifstream f(path);
   if (!f) return Status::error(fmt::format("cannot open prompt file '{}'", path));
-  std::vector<std::string> out;
+  std::vector<PromptIn> out;
   std::string line;
   for (int64_t lineno = 1; std::getline(f, line); ++lineno) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded()) return Status::error(fmt::format("{}:{}: invalid JSON", path, lineno));
+    if (j.is_object() && j.contains("messages") && !j.contains("prompt")) {
+      PromptIn p;
+      p.chat = true;
+      p.text = j["messages"].dump();
+      const std::string err = parse_chat_messages(j["messages"], p.messages);
+      if (!err.empty()) return Status::error(fmt::format("{}:{}: {}", path, lineno, err));
+      if (p.messages.empty() || p.messages.back().role == "assistant")
+        return Status::error(fmt::format(
+            "{}:{}: \"messages\" must be non-empty and not end with an assistant message", path, lineno));
+      out.push_back(std::move(p));
+      continue;
+    }
     if (!j.is_object() || !j.contains("prompt") || !j["prompt"].is_string())
-      return Status::error(fmt::format("{}:{}: expected an object with a string \"prompt\"", path, lineno));
-    out.push_back(j["prompt"].get<std::string>());
+      return Status::error(fmt::format(
+          "{}:{}: expected an object with a string \"prompt\" or a \"messages\" list", path, lineno));
+    out.push_back({j["prompt"].get<std::string>(), {}, false});
   }
   return out;
 }
@@ -40,6 +61,7 @@ Runner add_generate(CLI::App& app) {
     int64_t max_new_tokens = 32, top_k = 0, samples = 1, gen_tp = 1;
     double temperature = 0, top_p = 1;
     uint64_t seed = 0;
+    bool chat = false;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("--run", o->run_dir, "Directory of a training run (config.yaml + model.safetensors)")
@@ -61,8 +83,12 @@ Runner add_generate(CLI::App& app) {
   cmd->add_option("--gen-tp", o->gen_tp, "Generation tensor parallelism (divides the ranks)")
       ->check(CLI::Range(1, 1 << 16));
   cmd->add_option("--device", o->device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_flag("--chat", o->chat,
+                "Format each text prompt as a user turn of the run's data.chat_template (JSONL \"messages\" "
+                "lines always are) and strip the end-of-turn marker from completions");
   return [o](Communicator& world) {
-    std::vector<std::string> texts = o->prompts;
+    std::vector<PromptIn> texts;
+    for (const auto& p : o->prompts) texts.push_back({p, {}, false});
     if (!o->input.empty()) {
       auto file = read_prompts(o->input);
       agree_or_throw(file.status(), world);
@@ -78,15 +104,24 @@ Runner add_generate(CLI::App& app) {
     cfg.train.device = o->device;
     auto tok = make_tokenizer(cfg.data.tokenizer);
     agree_or_throw(tok.status(), world);
+    auto tmpl = ChatTemplate::named(cfg.data.chat_template);
+    agree_or_throw(tmpl.status(), world);
 
     Generator gen(cfg, world, GenLayout{o->gen_tp});
     gen.load_full(read_weights(dir.string(), world));
     const Tokenizer& tk = *tok.value();
     std::vector<GenRequest> reqs;
     for (size_t i = 0; i < texts.size(); ++i) {
-      std::vector<int32_t> ids{tk.bos_id()};
-      const auto body = tk.encode(texts[i]);
-      ids.insert(ids.end(), body.begin(), body.end());
+      std::vector<int32_t> ids;
+      if (texts[i].chat) {
+        ids = tmpl.value().chat_prompt(tk, texts[i].messages);
+      } else if (o->chat) {
+        ids = tmpl.value().text_prompt(tk, texts[i].text);
+      } else {
+        ids = {tk.bos_id()};
+        const auto body = tk.encode(texts[i].text);
+        ids.insert(ids.end(), body.begin(), body.end());
+      }
       for (int64_t s = 0; s < o->samples; ++s)
         reqs.push_back({ids, static_cast<uint64_t>(i), static_cast<uint64_t>(s)});
     }
@@ -107,16 +142,21 @@ Runner add_generate(CLI::App& app) {
     }
     for (size_t r = 0; r < outs.size(); ++r) {
       const GenOutput& g = outs[r];
-      const std::string& prompt = texts[r / static_cast<size_t>(o->samples)];
+      const PromptIn& in = texts[r / static_cast<size_t>(o->samples)];
+      const std::string& prompt = in.text;
       std::vector<int32_t> body = g.tokens;
       if (g.stopped) body.pop_back();  // the stop token (EOS) is not text
-      const std::string completion = tk.decode(body);
+      const std::string completion =
+          in.chat || o->chat ? tmpl.value().completion_text(tk.decode(body)) : tk.decode(body);
       if (!f.is_open()) {
         std::printf("%s%s\n", prompt.c_str(), completion.c_str());
         continue;
       }
       nlohmann::json j;
-      j["prompt"] = prompt;
+      if (in.chat)
+        j["messages"] = nlohmann::json::parse(prompt);
+      else
+        j["prompt"] = prompt;
       j["sample"] = r % static_cast<size_t>(o->samples);
       j["completion"] = completion;
       j["tokens"] = g.tokens;
