@@ -33,4 +33,9 @@ class TempDir {
   std::filesystem::path path_;
 };
 
+// Writes `text` to `path` (binary, truncating).
+inline void write_text(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
 }  // namespace ndt::testing

@@ -17,14 +17,10 @@
 #include "train/config.h"
 
 using ndt::testing::TempDir;
+using ndt::testing::write_text;
 using namespace ndt;
 
 namespace {
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary);
-  f << text;
-}
 
 // Builds the expected (tokens, mask) of the byte tokenizer from pieces: text (one token per byte) or a
 // special id, each with its mask.

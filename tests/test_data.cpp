@@ -20,14 +20,10 @@
 
 namespace fs = std::filesystem;
 using ndt::testing::TempDir;
+using ndt::testing::write_text;
 using namespace ndt;
 
 namespace {
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary);
-  f << text;
-}
 
 std::string read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
