@@ -23,10 +23,23 @@ double loss_of(Transformer& m, const Microbatch& mb) {
 // when |numeric - analytic| <= 2e-2 * |numeric| + 2e-3 * G, with G the largest gradient element of the
 // whole model (finite-difference noise is absolute in loss units, so it scales with the model, not with
 // the tensor: gpt2's key bias has an exactly-zero true gradient); eps = 1e-2.
-void gradcheck(const std::string& style) {
+// qkv_bias (llama, Qwen2-style): the q/k/v biases are set to random values (a key bias matters under RoPE).
+void gradcheck(const std::string& style, bool qkv_bias = false) {
   std::mt19937 rng(7);
-  Transformer m(testing::tiny_model(style), StageSpec{}, nullptr);
+  ModelConfig cfg = testing::tiny_model(style);
+  cfg.qkv_bias = qkv_bias;
+  Transformer m(cfg, StageSpec{}, nullptr);
   m.params().init(11);
+  if (qkv_bias) {
+    std::normal_distribution<float> d(0.0f, 0.3f);
+    int biases = 0;
+    for (auto& p : m.params().all())
+      if (p->name.find(".attn.w") != std::string::npos && p->name.find(".bias") != std::string::npos) {
+        for (int64_t i = 0; i < p->numel(); ++i) p->value.f32()[i] = d(rng);
+        ++biases;
+      }
+    EXPECT_EQ(biases, 3 * cfg.n_layers);
+  }
   Microbatch mb = batch(rng, 32);
   m.params().zero_grad();
   Activations a;
@@ -62,6 +75,7 @@ void gradcheck(const std::string& style) {
 
 TEST(ModelGradcheck, Llama) { gradcheck("llama"); }
 TEST(ModelGradcheck, Gpt2) { gradcheck("gpt2"); }
+TEST(ModelGradcheck, LlamaQkvBias) { gradcheck("llama", /*qkv_bias=*/true); }
 
 TEST(ModelInit, ShardsAreSlicesOfTheFullTensor) {
   for (const std::string style : {"llama", "gpt2"}) {

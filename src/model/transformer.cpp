@@ -37,6 +37,12 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, P
     params_.add(n + ".weight", {out, C}, InitKind::Normal, s, true, 0, tps, r);
     if (gpt2 && with_bias) params_.add(n + ".bias", {out}, InitKind::Zeros, 0, false, 0, tps, r);
   };
+  // Llama with model.qkv_bias (Qwen2): q, k and v biases. Unlike GPT-2's, the key bias is kept: RoPE
+  // rotates it by the key's position, so q . R_j b_k is no longer the same for every key.
+  auto qkv = [&](const std::string& n, int64_t out, float s, bool gpt2_bias) {
+    col(n, out, s, gpt2_bias);
+    if (!gpt2 && cfg_.qkv_bias) params_.add(n + ".bias", {out}, InitKind::Zeros, 0, false, 0, tps, r);
+  };
   auto row = [&](const std::string& n, int64_t in, float s) {
     params_.add(n + ".weight", {C, in}, InitKind::Normal, s, true, 1, tps, r);
     if (gpt2) params_.add(n + ".bias", {C}, InitKind::Zeros, 0, false);
@@ -59,11 +65,11 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, P
   for (int64_t l = stage_.first_layer; l < stage_.last_layer; ++l) {
     const std::string pre = lp(l);
     norm(pre + "attn_norm");
-    col(pre + "attn.wq", H * D, std);
-    // No key bias: q.(k + b) shifts all of a query's scores by the same constant, which softmax
+    qkv(pre + "attn.wq", H * D, std, true);
+    // No GPT-2 key bias: q.(k + b) shifts all of a query's scores by the same constant, which softmax
     // ignores, so its gradient is exactly zero and Adam would only amplify rounding noise into it.
-    col(pre + "attn.wk", KV * D, std, /*with_bias=*/false);
-    col(pre + "attn.wv", KV * D, std);
+    qkv(pre + "attn.wk", KV * D, std, /*gpt2_bias=*/false);
+    qkv(pre + "attn.wv", KV * D, std, true);
     row(pre + "attn.wo", H * D, proj_std);
     norm(pre + "mlp_norm");
     if (!cfg_.is_moe_layer(l)) {

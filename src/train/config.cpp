@@ -116,6 +116,7 @@ const std::vector<KeyDef>& schema() {
       int_key("model.moe.every", 1, 4096, moe(&MoeConfig::every)),
       str_key("model.moe.router", {"softmax", "sigmoid"}, moe(&MoeConfig::router)),
       bool_key("model.moe.renormalize", moe(&MoeConfig::renormalize)),
+      bool_key("model.qkv_bias", m(&M::qkv_bias)),
       float_key("model.moe.aux_loss_coef", 0, kInf, moe(&MoeConfig::aux_loss_coef)),
       float_key("model.moe.z_loss_coef", 0, kInf, moe(&MoeConfig::z_loss_coef)),
       float_key("model.moe.bias_update_rate", 0, kInf, moe(&MoeConfig::bias_update_rate)),
@@ -632,6 +633,8 @@ Status validate_config(const Config& c) {
   if (m.style == "gpt2" && m.n_kv_heads != 0 && m.n_kv_heads != m.n_heads)
     return errf("model.n_kv_heads ({}) must be 0 or model.n_heads ({}) for style gpt2 (no GQA)", m.n_kv_heads,
                 m.n_heads);
+  if (m.style == "gpt2" && m.qkv_bias)
+    return errf("model.qkv_bias is for style llama (style gpt2 has its own q and v biases)");
   if (m.style == "llama" && m.head_dim() % 2 != 0)
     return errf("model.d_model / model.n_heads = {} must be even for style llama (RoPE rotates pairs)",
                 m.head_dim());

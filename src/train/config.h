@@ -41,6 +41,7 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   int tie_embeddings = -1;  // -1: style default (gpt2 tied, llama untied); 0/1 force
+  bool qkv_bias = false;    // style llama: biases on the q, k and v projections (Qwen2)
   double init_std = 0.02;
   MoeConfig moe;
   // Derived, filled by finalize(): head_dim, effective kv heads / d_ff / tying.

@@ -43,8 +43,11 @@ std::vector<Expected> expected_params(const ModelConfig& cfg) {
     const std::string o = fmt::format("layers.{}.", l), h = fmt::format("model.layers.{}.", l);
     one(o + "attn_norm.weight", h + "input_layernorm.weight", {C});
     one(o + "attn.wq.weight", h + "self_attn.q_proj.weight", {H * D, C});
+    if (cfg.qkv_bias) one(o + "attn.wq.bias", h + "self_attn.q_proj.bias", {H * D});
     one(o + "attn.wk.weight", h + "self_attn.k_proj.weight", {KV * D, C});
+    if (cfg.qkv_bias) one(o + "attn.wk.bias", h + "self_attn.k_proj.bias", {KV * D});
     one(o + "attn.wv.weight", h + "self_attn.v_proj.weight", {KV * D, C});
+    if (cfg.qkv_bias) one(o + "attn.wv.bias", h + "self_attn.v_proj.bias", {KV * D});
     one(o + "attn.wo.weight", h + "self_attn.o_proj.weight", {C, H * D});
     one(o + "mlp_norm.weight", h + "post_attention_layernorm.weight", {C});
     if (!cfg.is_moe_layer(l)) {
@@ -78,6 +81,9 @@ const std::map<std::string, std::string>& layer_map() {
       {"attn.wq.weight", "self_attn.q_proj.weight"},
       {"attn.wk.weight", "self_attn.k_proj.weight"},
       {"attn.wv.weight", "self_attn.v_proj.weight"},
+      {"attn.wq.bias", "self_attn.q_proj.bias"},
+      {"attn.wk.bias", "self_attn.k_proj.bias"},
+      {"attn.wv.bias", "self_attn.v_proj.bias"},
       {"attn.wo.weight", "self_attn.o_proj.weight"},
       {"mlp_norm.weight", "post_attention_layernorm.weight"},
       {"mlp.w1.weight", "mlp.gate_proj.weight"},
@@ -144,7 +150,12 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
     if (!problem.empty())
       return Status::error("export_hf: an MoE model exports as MixtralForCausalLM only: " + problem);
   }
-  const char* arch = moe ? "Mixtral" : "Llama";
+  if (moe && cfg.qkv_bias)
+    return Status::error(
+        "export_hf: model.qkv_bias with model.moe has no Hugging Face counterpart here "
+        "(Qwen2 is dense, Mixtral has no biases)");
+  const bool qwen2 = cfg.qkv_bias;
+  const char* arch = moe ? "Mixtral" : qwen2 ? "Qwen2" : "Llama";
   std::map<std::string, Tensor> given;
   for (const auto& [name, t] : full_params) {
     if (!given.emplace(name, t).second)
@@ -176,8 +187,8 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
         fmt::format("export_hf: parameter {} has no Hugging Face {} counterpart{}", given.begin()->first,
                     arch, given.begin()->first == "lm_head.weight" ? " (the config says tied)" : ""));
   nlohmann::ordered_json c;
-  c["architectures"] = {moe ? "MixtralForCausalLM" : "LlamaForCausalLM"};
-  c["model_type"] = moe ? "mixtral" : "llama";
+  c["architectures"] = {moe ? "MixtralForCausalLM" : qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
+  c["model_type"] = moe ? "mixtral" : qwen2 ? "qwen2" : "llama";
   c["hidden_size"] = cfg.d_model;
   // Mixtral: the width of one expert (there is no dense MLP).
   c["intermediate_size"] = moe ? cfg.expert_ffn_dim() : cfg.ffn_dim();
@@ -191,8 +202,12 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
   c["rope_theta"] = cfg.rope_theta;
   c["rope_scaling"] = nullptr;
   c["hidden_act"] = "silu";
-  c["attention_bias"] = false;
-  c["mlp_bias"] = false;
+  if (qwen2) {  // q/k/v biases are Qwen2's own, no key needed; full attention in every layer
+    c["use_sliding_window"] = false;
+  } else {
+    c["attention_bias"] = false;
+    c["mlp_bias"] = false;
+  }
   c["initializer_range"] = cfg.init_std;
   c["tie_word_embeddings"] = cfg.tied();
   if (moe) {
@@ -219,7 +234,7 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     return import_hf_gpt2(dir, c);
   ModelConfig cfg;
   cfg.style = "llama";
-  bool mixtral = false;
+  bool mixtral = false, qwen2 = false;
   std::string key;
   try {
     auto need_int = [&](const char* k) -> int64_t {
@@ -232,15 +247,20 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     key = "model_type";
     if (c.contains("model_type")) {
       const std::string mt = c["model_type"].get<std::string>();
-      if (mt != "llama" && mt != "mixtral")
+      if (mt != "llama" && mt != "mixtral" && mt != "qwen2")
         return Status::error(fmt::format(
-            "import_hf: '{}': model_type is \"{}\", only \"llama\", \"mixtral\" and \"gpt2\" are supported",
+            "import_hf: '{}': model_type is \"{}\", only \"llama\", \"mixtral\", \"qwen2\" and \"gpt2\" are "
+            "supported",
             cpath, mt));
       mixtral = mt == "mixtral";
+      qwen2 = mt == "qwen2";
     } else if (c.contains("architectures")) {
       key = "architectures";
       for (const auto& a : c["architectures"])
-        if (a.get<std::string>() == "MixtralForCausalLM") mixtral = true;
+        if (a.get<std::string>() == "MixtralForCausalLM")
+          mixtral = true;
+        else if (a.get<std::string>() == "Qwen2ForCausalLM")
+          qwen2 = true;
     }
     cfg.d_model = need_int("hidden_size");
     cfg.d_ff = need_int("intermediate_size");
@@ -250,9 +270,12 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     cfg.n_kv_heads = c.contains("num_key_value_heads") && !c["num_key_value_heads"].is_null()
                          ? need_int("num_key_value_heads")
                          : cfg.n_heads;
-    // Absent keys take the transformers config class's defaults (LlamaConfig / MixtralConfig).
+    // Absent keys take the transformers config class's defaults (LlamaConfig / MixtralConfig / Qwen2Config).
     cfg.max_seq_len = c.contains("max_position_embeddings") ? need_int("max_position_embeddings")
-                                                            : (mixtral ? 4096 * 32 : 2048);
+                                                            : (mixtral ? 4096 * 32
+                                                               : qwen2 ? 32768
+                                                                       : 2048);
+    cfg.qkv_bias = qwen2;
     key = "rms_norm_eps";
     cfg.norm_eps = c.value("rms_norm_eps", mixtral ? 1e-5 : 1e-6);
     key = "rope_theta";
@@ -265,9 +288,13 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     if (c.contains("hidden_act") && c["hidden_act"].get<std::string>() != "silu")
       return Status::error(fmt::format("import_hf: '{}': hidden_act \"{}\" is not supported (only silu)",
                                        cpath, c["hidden_act"].get<std::string>()));
+    key = "use_sliding_window";
+    if (qwen2 && c.value("use_sliding_window", false))
+      return Status::error(fmt::format(
+          "import_hf: '{}': \"use_sliding_window\": true is not supported: attention is full causal", cpath));
     for (const char* k : {"attention_bias", "mlp_bias"}) {
       key = k;
-      if (c.value(k, false))
+      if (!qwen2 && c.value(k, false))
         return Status::error(
             fmt::format("import_hf: '{}': \"{}\": true is not supported (no biases)", cpath, k));
     }
@@ -368,7 +395,9 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     if (n == "lm_head.weight" && cfg.tied()) continue;  // some tied exports still store the head
     return Status::error(
         fmt::format("import_hf: '{}': unexpected tensor {} (not part of a {} with this config)", mpath, n,
-                    mixtral ? "Mixtral" : "plain Llama"));
+                    mixtral ? "Mixtral"
+                    : qwen2 ? "Qwen2"
+                            : "plain Llama"));
   }
   return std::make_pair(cfg, std::move(out));
 }
