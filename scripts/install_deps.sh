@@ -2,7 +2,7 @@
 # Installs the Debian packages ndtrain builds against (skips what is already there). Needs root.
 set -euo pipefail
 PKGS=(build-essential cmake ninja-build pkg-config libopenblas-dev libopenblas-openmp-dev libopenmpi-dev openmpi-bin
-      libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libfmt-dev libsentencepiece-dev sentencepiece
+      libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libfmt-dev libsentencepiece-dev sentencepiece libpcre2-dev
       libgtest-dev libgmock-dev)
 missing=()
 for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <sstream>
 
+#include "data/bpe_tokenizer.h"
+
 namespace ndt {
 
 namespace {
@@ -146,9 +148,14 @@ Result<std::unique_ptr<Tokenizer>> make_tokenizer(const std::string& spec) {
     return std::unique_ptr<Tokenizer>(make_id_tokenizer(n));
   }
   std::error_code ec;
+  const std::filesystem::path p(spec);
+  if (std::filesystem::is_directory(p, ec) || p.extension() == ".json") return load_bpe_tokenizer(spec);
   if (!std::filesystem::is_regular_file(spec, ec))
     return Status::error(
-        fmt::format("tokenizer '{}': not \"byte\" and no such SentencePiece .model file", spec));
+        fmt::format("tokenizer '{}': not \"byte\", \"ids:N\", a SentencePiece .model file, a tokenizer.json "
+                    "/ vocab.json or "
+                    "a directory holding one",
+                    spec));
   return load_sentencepiece_tokenizer(spec);
 }
 
