@@ -16,7 +16,7 @@ fi
 sets=(model.n_heads=2 model.n_kv_heads=1 train.device=cuda train.precision=bf16)
 "$ndt" train --config configs/addition-sft.yaml --set "${sets[@]}" train.steps=300 train.log_every=100 \
   train.out_dir="$out/sft"
-"$ndt" train --config configs/grpo-addition.yaml --set "${sets[@]}" posttrain.init="$out/sft" train.steps=8 \
+"$ndt" train --config configs/grpo-addition.yaml --set "${sets[@]}" posttrain.init="$out/sft" train.steps=8 train.warmup_steps=0 \
   train.log_every=1 train.eval_every=0 posttrain.eval_samples=200 train.out_dir="$out/grpo"
 worst=$(grep -o '"gen_kl_error":[^,}]*' "$out/grpo/metrics.jsonl" | cut -d: -f2 | sort -g | tail -1)
 echo "gpu_grpo: largest gen_kl_error over the steps: $worst (limit 1e-3)"
