@@ -31,6 +31,10 @@ Runner add_train(CLI::App& app) {
                   "Write a Chrome trace (JSON) of steps 1-3: forward/backward/send/recv per rank");
   return [config, sets, trace, resume, init_hf, init_path = init](Communicator& world) {
     RunSetup s = load_run(world, *config, *sets);
+    // The output directory must take files before any work starts (rank 0 writes there); every rank
+    // reports the same error rather than rank 0 alone failing at the first save.
+    agree_or_throw(
+        world.rank() == 0 ? check_writable_dir(s.cfg.train.out_dir, "train.out_dir") : Status::ok(), world);
     std::vector<std::pair<std::string, Tensor>> init;
     if (!init_hf->empty()) {
       auto imported = import_hf(*init_hf);

@@ -1,6 +1,7 @@
 #include "apps/setup.h"
 
 #include <filesystem>
+#include <fstream>
 
 #include "data/make_dataset.h"
 #include "parallel/layout.h"
@@ -11,6 +12,23 @@ namespace ndt::app {
 void agree_or_throw(const Status& local, Communicator& world) {
   Status st = agree(local, world);
   if (!st) throw AgreedError(st.message());
+}
+
+Status check_writable_dir(const std::string& dir, const std::string& key) {
+  namespace fs = std::filesystem;
+  const fs::path d(dir.empty() ? "." : dir);
+  std::error_code ec;
+  fs::create_directories(d, ec);
+  if (ec) return Status::error(fmt::format("{} '{}' cannot be created: {}", key, dir, ec.message()));
+  const fs::path probe = d / ".ndtrain_write_probe";
+  {
+    std::ofstream f(probe, std::ios::trunc);
+    f << "probe\n";
+    f.flush();
+    if (!f) return Status::error(fmt::format("{} '{}' is not writable", key, dir));
+  }
+  fs::remove(probe, ec);
+  return Status::ok();
 }
 
 RunSetup load_run(Communicator& world, const std::string& config_path,

@@ -20,6 +20,9 @@ struct RunSetup {
 };
 
 // Config, tokenizer, datasets, layout validation. Throws ndt::Error (same message on every rank).
+// OK when `dir` exists or can be created and a file can be written in it; else an error naming `key`.
+Status check_writable_dir(const std::string& dir, const std::string& key);
+
 RunSetup load_run(Communicator& world, const std::string& config_path,
                   const std::vector<std::string>& overrides);
 
