@@ -26,7 +26,10 @@ Runner add_train(CLI::App& app) {
   cmd->add_option("--init", *init,
                   "Start from these weights: a model.safetensors of full tensors named as ndtrain names them "
                   "(written by a run, or by another framework for a like-for-like comparison)");
-  cmd->add_option("--resume", *resume, "Continue from a checkpoint directory (any layout can load it)");
+  cmd->add_option(
+      "--resume", *resume,
+      "Continue from a checkpoint directory (any layout can load it); auto: the newest valid one of "
+      "this run, or step 0");
   cmd->add_option("--trace", *trace,
                   "Write a Chrome trace (JSON) of steps 1-3: forward/backward/send/recv per rank");
   return [config, sets, trace, resume, init_hf, init_path = init](Communicator& world) {

@@ -91,6 +91,28 @@ Status MetricsWriter::write(const json& record) {
   return Status::ok();
 }
 
+Status truncate_metrics_from(const std::string& out_dir, int64_t step) {
+  const fs::path path = fs::path(out_dir.empty() ? "." : out_dir) / "metrics.jsonl";
+  std::ifstream in(path);
+  if (!in) return Status::ok();
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) continue;  // a line torn by a kill
+    if (j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() >= step) continue;
+    kept += line + "\n";
+  }
+  in.close();
+  std::ofstream out(path.string() + ".tmp", std::ios::trunc);
+  out << kept;
+  out.flush();
+  if (!out) return Status::error(fmt::format("cannot rewrite '{}'", path.string()));
+  std::error_code ec;
+  fs::rename(path.string() + ".tmp", path, ec);
+  if (ec) return Status::error(fmt::format("cannot rewrite '{}': {}", path.string(), ec.message()));
+  return Status::ok();
+}
+
 Result<std::vector<json>> read_metrics_jsonl(const std::string& path) {
   std::ifstream in(path);
   if (!in) return Status::error(fmt::format("metrics file '{}' not found", path));

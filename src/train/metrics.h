@@ -46,6 +46,11 @@ class MetricsWriter {
   std::unique_ptr<TensorBoardWriter> tb_;
 };
 
+// A resumed run's metrics.jsonl: keeps the records before `step` (and the ones without a step), drops the
+// rest and a torn last line, so that steps repeated after the checkpoint are not recorded twice. Missing
+// file: OK.
+Status truncate_metrics_from(const std::string& out_dir, int64_t step);
+
 // The TensorBoard scalars of one metrics record: (tag, value) for every numeric leaf but "step".
 std::vector<std::pair<std::string, float>> tensorboard_scalars(const nlohmann::json& record);
 

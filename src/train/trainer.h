@@ -91,6 +91,8 @@ class Trainer {
   // Saves a checkpoint after `steps_done` steps (collective).
   void save_checkpoint(int64_t steps_done);
   // Loads a checkpoint written by any layout; training continues at its step (collective).
+  // Continue from a checkpoint (any layout); "auto": the newest valid one in the run's checkpoint root,
+  // skipping incomplete or corrupt ones, or step 0 when there is none. Collective; errors agreed.
   void resume(const std::string& dir);
   int64_t start_step() const { return start_step_; }
   // Full (global) parameter tensors on EVERY rank (gathered over TP, EP and PP): refit's source.
@@ -111,6 +113,7 @@ class Trainer {
   int64_t count_params() const;
 
  private:
+  Status try_resume(const std::string& dir);  // agreed over the world; OK: state loaded
   std::vector<Microbatch> local_microbatches(int64_t step) const;
   StepStats step_on(int64_t step, const std::vector<Microbatch>& mbs, TokenLoss* token_loss,
                     std::chrono::steady_clock::time_point t0);

@@ -1,4 +1,5 @@
 // Trainer checkpoints: every rank's slices plus optimizer state, loadable into any layout.
+#include <algorithm>
 #include <filesystem>
 #include <map>
 
@@ -6,6 +7,13 @@
 #include "train/trainer.h"
 
 namespace ndt {
+
+namespace {
+std::string checkpoint_root(const TrainConfig& tc) {
+  return tc.checkpoint_dir.empty() ? (std::filesystem::path(tc.out_dir) / "checkpoints").string()
+                                   : tc.checkpoint_dir;
+}
+}  // namespace
 
 void Trainer::save_checkpoint(int64_t steps_done) {
   Tensor full_m, full_v;
@@ -17,9 +25,7 @@ void Trainer::save_checkpoint(int64_t steps_done) {
   meta.layout = fmt::format("tp={} cp={} ep={} dp={} pp={} virtual_stages={}{}", cfg_.parallel.tp,
                             cfg_.parallel.cp, cfg_.parallel.ep, cfg_.parallel.dp, cfg_.parallel.pp,
                             cfg_.parallel.virtual_stages, cfg_.parallel.zero1 ? " zero1" : "");
-  const std::string dir = cfg_.train.checkpoint_dir.empty()
-                              ? (std::filesystem::path(cfg_.train.out_dir) / "checkpoints").string()
-                              : cfg_.train.checkpoint_dir;
+  const std::string dir = checkpoint_root(cfg_.train);
   // DP x CP replicas hold identical slices: rank 0 of that group at each (tp, pp) coordinate writes them;
   // expert slices differ over EP: rank 0 of each expert-data-parallel group writes its experts.
   engine_->params().with_host_values(
@@ -36,6 +42,40 @@ void Trainer::save_checkpoint(int64_t steps_done) {
 }
 
 void Trainer::resume(const std::string& dir) {
+  if (dir != "auto") {
+    Status st = try_resume(dir);
+    if (!st) throw AgreedError(st.message());
+    return;
+  }
+  // auto: the newest step directory of the run's checkpoint root that loads on every rank; incomplete or
+  // corrupt ones (a save that was killed, a truncated shard) are skipped with a line saying why.
+  const std::string root = checkpoint_root(cfg_.train);
+  std::vector<std::string> steps;
+  std::error_code ec;
+  if (std::filesystem::is_directory(root, ec))
+    for (const auto& e : std::filesystem::directory_iterator(root, ec))
+      if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0)
+        steps.push_back(e.path().string());
+  std::sort(steps.rbegin(), steps.rend());  // step-%08d: newest first
+  const bool logger = c_.world->rank() == 0;
+  for (const std::string& d : steps) {
+    Status st = try_resume(d);
+    if (st) return;
+    if (logger) std::printf("resume auto: skipping %s: %s\n", d.c_str(), st.message().c_str());
+  }
+  if (logger) {
+    std::printf("resume auto: no valid checkpoint in %s: starting from step 0\n", root.c_str());
+    std::fflush(stdout);
+  }
+  start_step_ = 0;
+  engine_->params().with_host_values([&] { engine_->params().init(static_cast<uint64_t>(cfg_.train.seed)); },
+                                     /*write_back=*/true);
+  const int64_t n = engine_->params().flat_values().numel();
+  opt_->scatter_moments(Tensor::zeros({n}), Tensor::zeros({n}));
+  opt_->set_steps_taken(0);
+}
+
+Status Trainer::try_resume(const std::string& dir) {
   auto step_dir = resolve_checkpoint(dir);
   Status st = step_dir.status();
   CheckpointMeta meta;
@@ -52,7 +92,7 @@ void Trainer::resume(const std::string& dir) {
       },
       /*write_back=*/true);
   // Every rank must agree before training continues (a missing shard on one rank stops all).
-  if (Status all = agree(st, *c_.world); !all) throw AgreedError(all.message());
+  if (Status all = agree(st, *c_.world); !all) return all;
   opt_->scatter_moments(full_m, full_v);
   opt_->set_steps_taken(meta.optimizer_steps);
   start_step_ = meta.step;
@@ -61,6 +101,7 @@ void Trainer::resume(const std::string& dir) {
                 static_cast<long long>(meta.step), meta.layout.c_str());
     std::fflush(stdout);
   }
+  return Status::ok();
 }
 
 void Trainer::load_weights(const std::vector<std::pair<std::string, Tensor>>& full) {

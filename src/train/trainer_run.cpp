@@ -120,6 +120,7 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
   if (logger) {
     std::filesystem::create_directories(tc.out_dir);
     std::ofstream(std::filesystem::path(tc.out_dir) / "config.yaml") << config_to_yaml(cfg_);
+    if (start_step_ > 0) truncate_metrics_from(tc.out_dir, start_step_).throw_if_error();
     metrics = std::make_unique<MetricsWriter>(
         MetricsWriter::open(tc.out_dir, /*append=*/start_step_ > 0, tc.tensorboard).value());
     std::printf("ndtrain: %s model, %lld parameters, task %s, %d rank(s) [%s%s%s]\n",
