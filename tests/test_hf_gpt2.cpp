@@ -30,18 +30,8 @@ ModelConfig gpt2_config(int tied) {
   return cfg;
 }
 
-// A model with every tensor random (biases and norms included, so nothing hides behind zeros and ones).
 std::vector<std::pair<std::string, Tensor>> random_params(const ModelConfig& cfg, uint32_t seed) {
-  Transformer m(cfg, StageSpec{}, nullptr);
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, 0.3f);
-  std::vector<std::pair<std::string, Tensor>> out;
-  for (const auto& p : m.params().all()) {
-    Tensor t = Tensor::empty(p->global_shape);
-    for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = d(rng) + (p->init == InitKind::Ones ? 1.0f : 0.0f);
-    out.emplace_back(p->name, t);
-  }
-  return out;
+  return testing::random_full_params(cfg, seed);
 }
 
 nlohmann::json header_of(const std::string& path) {

@@ -31,16 +31,7 @@ ModelConfig qwen2_config() {
 }
 
 std::vector<std::pair<std::string, Tensor>> random_params(const ModelConfig& cfg, uint32_t seed) {
-  Transformer m(cfg, StageSpec{}, nullptr);
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, 0.3f);
-  std::vector<std::pair<std::string, Tensor>> out;
-  for (const auto& p : m.params().all()) {
-    Tensor t = Tensor::empty(p->global_shape);
-    for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = d(rng) + (p->init == InitKind::Ones ? 1.0f : 0.0f);
-    out.emplace_back(p->name, t);
-  }
-  return out;
+  return testing::random_full_params(cfg, seed);
 }
 
 std::vector<double> reference_logits(const std::string& file, const ModelConfig& cfg,

@@ -6,6 +6,7 @@
 
 #include "data/packing.h"
 #include "model/tp_hooks.h"
+#include "model/transformer.h"
 #include "train/config.h"
 
 namespace ndt::testing {
@@ -49,5 +50,20 @@ class FakeTp : public TpHooks {
  private:
   int size_, rank_;
 };
+
+// Every parameter of a one-device model of cfg, full, random N(0, 0.3) (norm weights around 1): biases and
+// norms included, so that nothing hides behind zeros and ones (checkpoint and interop tests).
+inline std::vector<std::pair<std::string, Tensor>> random_full_params(const ModelConfig& cfg, uint32_t seed) {
+  Transformer m(cfg, StageSpec{}, nullptr);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 0.3f);
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& p : m.params().all()) {
+    Tensor t = Tensor::empty(p->global_shape);
+    for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = d(rng) + (p->init == InitKind::Ones ? 1.0f : 0.0f);
+    out.emplace_back(p->name, t);
+  }
+  return out;
+}
 
 }  // namespace ndt::testing
