@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 
 #include "core/check.h"
@@ -165,7 +164,7 @@ struct Generator::Impl {
   // step by number of sequences (a graph replays one step with a single launch instead of ~15 launches per
   // layer, which is what a decode step of small matrices is otherwise bound by).
   struct DeviceDecode {
-    Tensor tok, pos, tgt, u64, out_tok, out_lp;  // (B) each
+    Tensor tok, pos, tgt, u, out_tok, out_lp;  // (B) each
     std::map<int64_t, std::unique_ptr<cuda::Graph>> graphs;
     int64_t last_n = -1;
   };
@@ -185,19 +184,17 @@ struct Generator::Impl {
     const int64_t n = mb.nseq;
     cache.begin(mb, slots);
     const std::vector<double> u = uniforms(slots, live, sp, gstep);
-    std::vector<int64_t> bits(u.size());
-    std::memcpy(bits.data(), u.data(), u.size() * sizeof(double));
     Microbatch dev = mb;
     (dev.tokens = dd.tok.view_at(0, {n})).copy_from(mb.tokens);
     (dev.positions = dd.pos.view_at(0, {n})).copy_from(mb.positions);
     dev.targets = dd.tgt.view_at(0, {n});
-    dd.u64.view_at(0, {n}).copy_from(Tensor::from_vector(bits, {n}));
+    dd.u.view_at(0, {n}).copy_from(Tensor::from_vector(u, {n}));
     Tensor out_tok = dd.out_tok.view_at(0, {n}), out_lp = dd.out_lp.view_at(0, {n});
-    const Tensor u64 = dd.u64.view_at(0, {n});
+    const Tensor ud = dd.u.view_at(0, {n});
     auto work = [&] {
       Activations acts;  // allocated and freed inside the work (graph-owned memory under capture)
       model->forward(dev, Tensor(), acts);
-      choose_tokens_on_device(out_tok, out_lp, acts.logits, sp.temperature, sp.top_k, sp.top_p, u64);
+      choose_tokens_on_device(out_tok, out_lp, acts.logits, sp.temperature, sp.top_k, sp.top_p, ud);
     };
     std::unique_ptr<cuda::Graph>* g = nullptr;
     if (graphs_allowed() && n == dd.last_n) {
@@ -251,7 +248,7 @@ struct Generator::Impl {
         dd->tok = Tensor::empty({B}, DType::I32, cu);
         dd->pos = Tensor::empty({B}, DType::I32, cu);
         dd->tgt = Tensor::zeros({B}, DType::I32, cu);
-        dd->u64 = Tensor::empty({B}, DType::I64, cu);
+        dd->u = Tensor::empty({B}, DType::F64, cu);
         dd->out_tok = Tensor::empty({B}, DType::I32, cu);
         dd->out_lp = Tensor::empty({B}, DType::F32, cu);
       }

@@ -30,7 +30,6 @@ void KvCache::begin(const Microbatch& mb, const std::vector<int64_t>& slots) {
             "KV cache: {} slots for a forward of {} sequences", slots.size(), mb.nseq);
   const int32_t* cu = mb.cu_seqlens.i32();
   const int32_t* pos = mb.positions.i32();
-  runs_.clear();
   decode_ = true;
   std::vector<int32_t> dst_rows;
   std::vector<int32_t> cu_k(static_cast<size_t>(mb.nseq + 1));
@@ -44,7 +43,6 @@ void KvCache::begin(const Microbatch& mb, const std::vector<int64_t>& slots) {
     for (int64_t t = 0; t < n; ++t)
       NDT_CHECK(pos[cu[s] + t] == len + t, "KV cache: slot {} expects position {}, the forward has {}", b,
                 len + t, pos[cu[s] + t]);
-    runs_.push_back({cu[s], b * max_len_ + len, n});
     for (int64_t t = 0; t < n; ++t) dst_rows.push_back(static_cast<int32_t>(b * max_len_ + len + t));
     decode_ = decode_ && n == 1;
     len += n;
@@ -89,7 +87,7 @@ void KvCache::attention_forward(int64_t layer, const Microbatch& mb, const Tenso
       k.dtype() == K.dtype() && k.device() == K.device() && k.numel() / k.size(0) == K.numel() / K.size(0),
       "KV cache: layer {} keys {} {} do not match the cache", layer, shape_str(k.shape()),
       dtype_name(k.dtype()));
-  NDT_CHECK(!runs_.empty() && runs_.back().src + runs_.back().n == mb.num_tokens(),
+  NDT_CHECK(dst_rows_.defined() && dst_rows_.numel() == mb.num_tokens(),
             "KV cache: begin() was not called for this forward");
   ops::scatter_rows(K, dst_rows_, k);  // one launch per tensor, whatever the number of sequences
   ops::scatter_rows(V, dst_rows_, v);

@@ -37,12 +37,7 @@ class KvCache final : public KvHooks {
   Device dev_;
   std::vector<Tensor> k_, v_;
   std::vector<int64_t> len_;
-  // This forward: one run of rows per sequence (first microbatch row, first cache row, count), and the
-  // attention metadata on the cache's device.
-  struct Run {
-    int64_t src, dst, n;
-  };
-  std::vector<Run> runs_;
+  // This forward's attention metadata on the cache's device.
   bool decode_ = false;                                 // this forward has one new row per sequence
   Tensor dst_rows_, cu_q_, cu_k_, pos_q_, pos_k_;       // dst_rows_: the cache row of each microbatch row
   Tensor dec_rows_, dec_cu_k_, dec_pos_q_, dec_pos_k_;  // decode forwards' metadata (fixed addresses)

@@ -9,8 +9,6 @@
 #include "core/rng.h"
 
 #ifdef NDT_HAVE_CUDA
-#include <cstring>
-
 #include "cuda/cuda_ops.h"
 #include "cuda/runtime.h"
 #endif
@@ -90,13 +88,10 @@ std::vector<TokenChoice> choose_tokens(const Tensor& logits, double temperature,
     return out;
   }
 #ifdef NDT_HAVE_CUDA
-  // The uniforms travel as 64-bit words (Tensor has no f64 dtype); the kernel reads them as doubles.
-  std::vector<int64_t> bits(u.size());
-  std::memcpy(bits.data(), u.data(), u.size() * sizeof(double));
   Tensor tok = Tensor::empty({n}, DType::I32, Device::CUDA),
          lp = Tensor::empty({n}, DType::F32, Device::CUDA);
   choose_tokens_on_device(tok, lp, logits, temperature, top_k, top_p,
-                          Tensor::from_vector(bits, {n}).to(Device::CUDA));
+                          Tensor::from_vector(u, {n}).to(Device::CUDA));
   const std::vector<int32_t> t = tok.to_vector<int32_t>();
   const std::vector<float> l = lp.to_vector<float>();
   for (int64_t r = 0; r < n; ++r)
@@ -110,19 +105,18 @@ std::vector<TokenChoice> choose_tokens(const Tensor& logits, double temperature,
 void choose_tokens_on_device([[maybe_unused]] Tensor& token, [[maybe_unused]] Tensor& logprob,
                              const Tensor& logits, [[maybe_unused]] double temperature,
                              [[maybe_unused]] int64_t top_k, [[maybe_unused]] double top_p,
-                             [[maybe_unused]] const Tensor& u64) {
+                             [[maybe_unused]] const Tensor& u) {
   NDT_CHECK(logits.device() == Device::CUDA && logits.dim() == 2,
             "choose_tokens_on_device: CUDA (n, V) logits");
 #ifdef NDT_HAVE_CUDA
   const int64_t n = logits.size(0), V = logits.size(1);
   NDT_CHECK(n * V < (int64_t{1} << 31),
             "choose_tokens: {} x {} logits exceed the device sorter's int32 range", n, V);
-  NDT_CHECK(token.numel() == n && logprob.numel() == n && u64.numel() == n && token.dtype() == DType::I32 &&
-                logprob.dtype() == DType::F32 && u64.dtype() == DType::I64 &&
-                token.device() == Device::CUDA && logprob.device() == Device::CUDA &&
-                u64.device() == Device::CUDA,
+  NDT_CHECK(token.numel() == n && logprob.numel() == n && u.numel() == n && token.dtype() == DType::I32 &&
+                logprob.dtype() == DType::F32 && u.dtype() == DType::F64 && token.device() == Device::CUDA &&
+                logprob.device() == Device::CUDA && u.device() == Device::CUDA,
             "choose_tokens_on_device: outputs and uniforms must be {} device values", n);
-  const auto* up = reinterpret_cast<const double*>(u64.data<int64_t>());
+  const double* up = u.data<double>();
   if (logits.dtype() == DType::F32)
     cuda::sample_tokens(token.data<int32_t>(), logprob.f32(), logits.f32(), n, V, temperature, top_k, top_p,
                         up, cuda::stream());

@@ -27,9 +27,9 @@ std::vector<TokenChoice> choose_tokens(const Tensor& logits, double temperature,
                                        const std::vector<double>& u);
 
 // The device half of choose_tokens, writing into given CUDA tensors without synchronizing (capturable in a
-// CUDA graph): token (n) i32, logprob (n) f32; u64 (n) i64 holds the uniforms' bit patterns (doubles).
+// CUDA graph): token (n) i32, logprob (n) f32; u (n) f64 the uniforms.
 void choose_tokens_on_device(Tensor& token, Tensor& logprob, const Tensor& logits, double temperature,
-                             int64_t top_k, double top_p, const Tensor& u64);
+                             int64_t top_k, double top_p, const Tensor& u);
 
 // The uniform in [0, 1) that samples generated token `i` of request (prompt_key, sample_key) at `step`:
 // a pure function of its arguments (counter-based Philox), hence the same on every layout.
