@@ -167,6 +167,9 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
     kv_->attention_forward(l, mb, a.q, a.k, a.v, a.att, a.lse, scale);
   else if (cp_)
     cp_->attention_forward(mb, a.q, a.k, a.v, a.att, a.lse, scale);
+  else if (!cfg_.causal)
+    ops::attention_forward(a.att, a.lse, a.q, a.k, a.v, mb.cu_seqlens, mb.cu_seqlens, zero_positions(T),
+                           zero_positions(T), scale);
   else
     ops::attention_forward(a.att, a.lse, a.q, a.k, a.v, mb.cu_seqlens, scale);
   Tensor o_partial = act({T, C});
@@ -264,6 +267,9 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   if (cp_)
     cp_->attention_backward(mb, datt, a.q, a.k, a.v, a.att, a.lse, dq, dk, dv, scale);
+  else if (!cfg_.causal)
+    ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, mb.cu_seqlens,
+                            zero_positions(T), zero_positions(T), scale);
   else
     ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, scale);
   if (!cfg_.is_gpt2()) {
@@ -297,6 +303,7 @@ Tensor Transformer::forward(const Microbatch& mb, const Tensor& x_in, Activation
     Tensor partial = act({T, C});
     ops::embedding_forward(partial, mb.tokens, p("embed.tokens.weight").compute_value(), vocab_start_);
     x = tp_->exit_forward(partial);
+    if (embeds_) embeds_->inject(mb, tok0, x);
     if (cfg_.is_gpt2()) {
       Tensor pos = ops::slice_rows(mb.positions, tok0, Tl);
       ops::add_position_embedding_forward(x, pos, p("embed.positions.weight").compute_value());
@@ -399,6 +406,7 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
     Tensor pos = ops::slice_rows(mb.positions, tok0, Tl);
     ops::add_position_embedding_backward(p("embed.positions.weight").grad, dx, pos);
   }
+  if (embeds_) embeds_->take_grad(mb, tok0, dx);
   Tensor dfull = tp_->exit_backward(dx);
   ops::embedding_backward(p("embed.tokens.weight").grad, dfull, mb.tokens, vocab_start_);
   return Tensor();

@@ -14,6 +14,7 @@
 #include "core/tensor.h"
 #include "data/dataset.h"
 #include "model/cp_hooks.h"
+#include "model/embed_hooks.h"
 #include "model/ep_hooks.h"
 #include "model/kv_hooks.h"
 #include "model/moe.h"
@@ -69,6 +70,8 @@ class Transformer {
   // Cached generation: attention goes through `kv` (not owned; null = none), which keeps the keys and
   // values of earlier tokens; the microbatch then holds only new tokens at absolute positions.
   void set_kv_cache(KvHooks* kv) { kv_ = kv; }
+  // Multimodal: rows of the first stage's input come from `embeds` (not owned; null = none).
+  void set_embed_hooks(EmbedHooks* embeds) { embeds_ = embeds; }
   // MoE: the step's normalisers and statistics switch (not owned; null = no aux/z gradient, no stats).
   void set_moe_context(MoeStepContext* ctx);
   // The MoE layers of this stage by global layer index.
@@ -127,7 +130,10 @@ class Transformer {
   Tensor act(Shape s) const { return Tensor::empty(std::move(s), ps_->compute_dtype(), ps_->device()); }
   Tensor act_zeros(Shape s) const { return Tensor::zeros(std::move(s), ps_->compute_dtype(), ps_->device()); }
   Tensor stat(Shape s) const { return Tensor::empty(std::move(s), DType::F32, ps_->device()); }
-  std::string lp(int64_t l) const { return "layers." + std::to_string(l) + "."; }
+  std::string lp(int64_t l) const { return cfg_.param_prefix + "layers." + std::to_string(l) + "."; }
+  // Bidirectional attention (model.causal false): every key of the sequence is visible, the general form
+  // with all positions 0 (pos_k <= pos_q everywhere).
+  Tensor zero_positions(int64_t T) const { return Tensor::zeros({T}, DType::I32); }
 
   ModelConfig cfg_;
   StageSpec stage_;
@@ -135,6 +141,7 @@ class Transformer {
   TpHooks* tp_;
   CpHooks* cp_ = nullptr;
   KvHooks* kv_ = nullptr;
+  EmbedHooks* embeds_ = nullptr;
   bool recompute_ = false;
   std::function<void(int64_t)> layer_done_;
   ParamStore own_params_;

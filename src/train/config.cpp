@@ -92,6 +92,8 @@ const std::vector<KeyDef>& schema() {
   auto t = [](auto T::*f) { return member(&Config::train, f); };
   auto p = [](auto P::*f) { return member(&Config::parallel, f); };
   auto r = [](auto PosttrainConfig::*f) { return member(&Config::posttrain, f); };
+  using E = EncoderConfig;
+  auto e = [](auto E::*f) { return member(&Config::encoder, f); };
   auto moe = [](auto MoeConfig::*f) -> std::function<FieldRef(Config&)> {
     return [f](Config& c) -> FieldRef { return &(c.model.moe.*f); };
   };
@@ -122,7 +124,7 @@ const std::vector<KeyDef>& schema() {
       float_key("model.moe.bias_update_rate", 0, kInf, moe(&MoeConfig::bias_update_rate)),
       float_key("model.moe.capacity_factor", 0, kInf, moe(&MoeConfig::capacity_factor)),
 
-      str_key("data.task", {"addition", "sort", "lm", "shards", "sft"}, d(&D::task)),
+      str_key("data.task", {"addition", "sort", "lm", "shards", "sft", "image_caption"}, d(&D::task)),
       str_key("data.path", {}, d(&D::path)),
       str_key("data.val_path", {}, d(&D::val_path)),
       str_key("data.tokenizer", {}, d(&D::tokenizer)),
@@ -134,6 +136,8 @@ const std::vector<KeyDef>& schema() {
       bool_key("data.shuffle", d(&D::shuffle)),
       int_key("data.pack_tokens", 0, kInf, d(&D::pack_tokens)),
       str_key("data.chat_template", {"simple", "chatml", "llama3"}, d(&D::chat_template)),
+      int_key("data.caption_digits", 1, 8, d(&D::caption_digits)),
+      float_key("data.image_noise", 0, 10, d(&D::image_noise)),
 
       int_key("train.seed", 0, kInf, t(&T::seed)),
       int_key("train.steps", 0, kInf, t(&T::steps)),
@@ -202,6 +206,21 @@ const std::vector<KeyDef>& schema() {
       str_key("posttrain.dpo_logprob", {"sum", "mean"}, r(&PosttrainConfig::dpo_logprob)),
       float_key("posttrain.dpo_sft_coef", 0, kInf, r(&PosttrainConfig::dpo_sft_coef)),
       int_key("posttrain.pairs_per_step", 1, kInf, r(&PosttrainConfig::pairs_per_step)),
+
+      int_key("encoder.image_size", 0, 1 << 16, e(&E::image_size)),
+      int_key("encoder.patch_size", 1, 1 << 16, e(&E::patch_size)),
+      int_key("encoder.channels", 1, 64, e(&E::channels)),
+      str_key("encoder.style", {"gpt2", "llama"}, e(&E::style)),
+      int_key("encoder.d_model", 1, 1 << 20, e(&E::d_model)),
+      int_key("encoder.n_layers", 1, 4096, e(&E::n_layers)),
+      int_key("encoder.n_heads", 1, 4096, e(&E::n_heads)),
+      int_key("encoder.d_ff", 0, 1 << 22, e(&E::d_ff)),
+      int_key("encoder.projector_hidden", 0, 1 << 22, e(&E::projector_hidden)),
+      int_key("encoder.image_token", -1, 1LL << 31, e(&E::image_token)),
+      int_key("encoder.parallel.tp", 1, 4096, e(&E::tp)),
+      int_key("encoder.parallel.dp", 0, 1 << 20, e(&E::dp)),
+      int_key("encoder.parallel.cp", 1, 4096, e(&E::cp)),
+      int_key("encoder.parallel.pp", 1, 4096, e(&E::pp)),
 
       str_key("debug.fault", {}, member(&Config::debug, &DebugConfig::fault)),  // parsed in validate_config
   };
@@ -608,6 +627,58 @@ Result<Config> parse_config_string(const std::string& yaml_text, const std::vect
   return build(yaml_text, source_name, fs::current_path(), {}, overrides);
 }
 
+// The multimodal pieces: the encoder's own shape and layout, and how it meets the LLM's.
+static Status validate_encoder(const Config& c) {
+  const EncoderConfig& e = c.encoder;
+  const ParallelConfig& p = c.parallel;
+  if (c.data.task == "image_caption" && !e.enabled())
+    return errf("data.task image_caption needs an image encoder: set encoder.image_size (e.g. 16)");
+  if (!e.enabled()) return Status::ok();
+  if (e.cp != 1 || e.pp != 1)
+    return errf(
+        "encoder.parallel.cp = {} and encoder.parallel.pp = {}: the encoder runs without context or pipeline "
+        "parallelism (both must be 1); give it tensor and data parallelism (encoder.parallel.tp, .dp)",
+        e.cp, e.pp);
+  if (e.image_size % e.patch_size != 0)
+    return errf("encoder.image_size ({}) must be divisible by encoder.patch_size ({})", e.image_size,
+                e.patch_size);
+  if (e.d_model % e.n_heads != 0)
+    return errf("encoder.d_model ({}) must be divisible by encoder.n_heads ({})", e.d_model, e.n_heads);
+  if (e.style == "llama" && (e.d_model / e.n_heads) % 2 != 0)
+    return errf("encoder.d_model / encoder.n_heads = {} must be even for encoder.style llama (RoPE)",
+                e.d_model / e.n_heads);
+  if (e.n_heads % e.tp != 0)
+    return errf("encoder.parallel.tp ({}) must divide encoder.n_heads ({})", e.tp, e.n_heads);
+  const int64_t world = p.tp * p.cp * p.dp * p.pp;
+  if (world % e.tp != 0)
+    return errf("encoder.parallel.tp ({}) must divide the world of {} rank(s) (parallel tp*cp*dp*pp)", e.tp,
+                world);
+  const int64_t edp = e.dp > 0 ? e.dp : world / e.tp;
+  if (e.tp * edp != world)
+    return errf(
+        "encoder layout tp={} dp={} covers {} rank(s) but the LLM layout tp={} cp={} dp={} pp={} covers {}: "
+        "both modules run on all ranks (colocated)",
+        e.tp, edp, e.tp * edp, p.tp, p.cp, p.dp, p.pp, world);
+  if (edp % p.dp != 0 && p.dp % edp != 0)
+    return errf(
+        "encoder.parallel.dp ({}) and parallel.dp ({}) must divide one another (the bridge gathers encoder "
+        "shards into an LLM batch or slices one)",
+        edp, p.dp);
+  if (c.train.global_batch % edp != 0)
+    return errf("train.global_batch ({}) must be divisible by encoder.parallel.dp ({})", c.train.global_batch,
+                edp);
+  if (c.train.device == "cuda" && e.d_model / e.n_heads != 64 && e.d_model / e.n_heads != 128)
+    return errf("train.device cuda needs an encoder head dim of 64 or 128, got encoder.d_model / n_heads = {}",
+                e.d_model / e.n_heads);
+  // image_caption samples: the placeholders, '=', the caption's digits and EOS (inputs: all but the last).
+  if (c.data.task == "image_caption" && e.patches() + c.data.caption_digits + 1 > c.data.seq_len)
+    return errf(
+        "captions longer than the context: an image's {} placeholder tokens ((encoder.image_size / "
+        "encoder.patch_size)^2), '=' and {} caption digits need data.seq_len >= {}, got {}",
+        e.patches(), c.data.caption_digits, e.patches() + c.data.caption_digits + 1, c.data.seq_len);
+  return Status::ok();
+}
+
 Status validate_config(const Config& c) {
   const ModelConfig& m = c.model;
   const DataConfig& d = c.data;
@@ -660,8 +731,10 @@ Status validate_config(const Config& c) {
         "data x context parallel ranks)",
         p.ep, p.dp, p.cp, p.dp * p.cp);
 
-  if (d.task != "addition" && d.task != "sort" && d.task != "lm" && d.task != "shards" && d.task != "sft")
-    return errf("data.task must be one of addition, sort, lm, shards, sft, got '{}'", d.task);
+  if (d.task != "addition" && d.task != "sort" && d.task != "lm" && d.task != "shards" && d.task != "sft" &&
+      d.task != "image_caption")
+    return errf("data.task must be one of addition, sort, lm, shards, sft, image_caption, got '{}'", d.task);
+  if (Status st = validate_encoder(c); !st) return st;
   if ((d.task == "shards" || d.task == "sft") && d.path.empty())
     return errf("data.path is required for data.task {}", d.task);
   if (d.min_seq_len > d.seq_len)

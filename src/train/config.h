@@ -44,6 +44,10 @@ struct ModelConfig {
   bool qkv_bias = false;    // style llama: biases on the q, k and v projections (Qwen2)
   double init_std = 0.02;
   MoeConfig moe;
+  // Set in code by the vision encoder (not config keys): a prefix of every layer's parameter names
+  // ("encoder." -> "encoder.layers.0.attn.wq.weight") and bidirectional attention within each sequence.
+  std::string param_prefix;
+  bool causal = true;
   // Derived, filled by finalize(): head_dim, effective kv heads / d_ff / tying.
   int64_t head_dim() const { return d_model / n_heads; }
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
@@ -77,6 +81,8 @@ struct DataConfig {
   // How SFT JSONL and post-training JSONL prompts become tokens (data/chat_template.h):
   // "simple" (default), "chatml" or "llama3".
   std::string chat_template = "simple";
+  int64_t caption_digits = 2;  // image_caption task: digits drawn in each image (the caption lists them)
+  double image_noise = 0.2;    // image_caption task: std of the Gaussian pixel noise
 };
 
 struct TrainConfig {
@@ -158,6 +164,29 @@ struct PosttrainConfig {
   int64_t pairs_per_step = 8;
 };
 
+// The image encoder of a vision-language model (docs/multimodal.md): a ViT over patch_size x patch_size
+// patches of (channels, image_size, image_size) images, bidirectional attention, then a two-layer
+// projector into model.d_model whose outputs replace the text's image placeholder tokens (LLaVA style).
+// It has its own layout over the same ranks (colocated): tensor x data parallel, no pipeline or context
+// parallelism. image_size = 0: no encoder (a text-only model).
+struct EncoderConfig {
+  int64_t image_size = 0;
+  int64_t patch_size = 4;
+  int64_t channels = 1;
+  std::string style = "gpt2";  // blocks like model.style: gpt2 (LayerNorm, GELU) or llama (RMSNorm, SwiGLU)
+  int64_t d_model = 64;
+  int64_t n_layers = 2;
+  int64_t n_heads = 4;
+  int64_t d_ff = 0;              // 0: the style's default from d_model
+  int64_t projector_hidden = 0;  // projector MLP width; 0 = model.d_model
+  int64_t image_token = -1;      // placeholder token id; -1 = the tokenizer's vocabulary size (first free id)
+  int64_t tp = 1, dp = 0, cp = 1, pp = 1;  // encoder.parallel.*; dp 0 = world / tp; cp and pp must stay 1
+  bool enabled() const { return image_size > 0; }
+  int64_t grid() const { return image_size / patch_size; }
+  int64_t patches() const { return grid() * grid(); }  // image tokens per image
+  int64_t patch_dim() const { return channels * patch_size * patch_size; }
+};
+
 // Debugging aids, off by default.
 struct DebugConfig {
   // Fault injection (train/fault.h, docs/reliability.md), e.g. "nan_grad@step=3,rank=1"; empty = none (the
@@ -171,6 +200,7 @@ struct Config {
   TrainConfig train;
   ParallelConfig parallel;
   PosttrainConfig posttrain;
+  EncoderConfig encoder;
   DebugConfig debug;
   std::string source;  // where it came from (file path or "<defaults>"), for messages
 };

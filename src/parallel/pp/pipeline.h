@@ -38,6 +38,10 @@ class PipelineEngine {
   // Called during train() with [begin, end) of the flat gradient buffer as soon as a layer's gradients are
   // final (after its last microbatch's backward), so DP reduction can start while backward continues.
   void set_grads_ready_hook(std::function<void(int64_t, int64_t)> hook) { grads_ready_ = std::move(hook); }
+  // Multimodal: the embedding stage's external input rows (not owned; null = none).
+  void set_embed_hooks(EmbedHooks* h) {
+    for (auto& c : chunks_) c->set_embed_hooks(c->stage().has_embedding ? h : nullptr);
+  }
   void set_recompute(bool on) {
     for (auto& c : chunks_) c->set_recompute(on);
   }
