@@ -17,6 +17,9 @@ namespace ndt {
 struct Sample {
   std::vector<int32_t> tokens;
   std::vector<uint8_t> loss_mask;
+  // Multimodal samples: the image, (channels, H, W) row-major f32; its placeholder tokens in `tokens`
+  // take the encoder's projected patches (docs/multimodal.md). Empty for text-only samples.
+  std::vector<float> image;
 };
 
 class Dataset {
