@@ -3,6 +3,7 @@
 #include "apps/commands.h"
 #include "apps/setup.h"
 #include "parallel/layout.h"
+#include "mimo/mimo.h"
 #include "posttrain/run.h"
 #include "train/hf_interop.h"
 #include "train/safetensors.h"
@@ -59,7 +60,12 @@ Runner add_train(CLI::App& app) {
       init = read_weights(s.cfg.posttrain.init, world);
     }
     if (!init.empty()) trainer.load_weights(init);
+    // A multimodal model's image encoder, on its own layout over the same ranks (docs/multimodal.md).
+    const auto encoder = attach_encoder(trainer, world, layout.value().get(), *s.tok, *s.train);
+    if (encoder && world.rank() == 0) std::printf("multimodal: %s\n", encoder->describe().c_str());
     if (s.cfg.posttrain.algo != "sft") {
+      NDT_CHECK(!encoder, "post-training (posttrain.algo {}) does not take an image encoder yet",
+                s.cfg.posttrain.algo);
       NDT_CHECK(resume->empty() && trace->empty(), "--resume and --trace apply to posttrain.algo sft only");
       run_posttrain(trainer, *s.tok, world);
       return 0;

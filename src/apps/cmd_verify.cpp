@@ -2,10 +2,12 @@
 // and compare per-step loss and gradient norm and the final (gathered) weights.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 
 #include "apps/commands.h"
 #include "apps/setup.h"
+#include "mimo/mimo.h"
 #include "parallel/layout.h"
 #include "parallel/tp/gather_params.h"
 #include "posttrain/grpo.h"
@@ -83,8 +85,14 @@ Runner add_verify(CLI::App& app) {
       ref_cfg.data.packing = false;
       ref_cfg.data.pack_tokens = 0;
     }
+    ref_cfg.encoder.tp = 1;  // a multimodal model's encoder in one process too
+    ref_cfg.encoder.dp = 0;
     Trainer ref(ref_cfg, RunComms{}, *s.tok, *s.train, nullptr);
     Trainer par(s.cfg, layout.value()->comms(), *s.tok, *s.train, nullptr);
+    std::unique_ptr<Communicator> self = make_self_communicator();
+    const auto ref_enc = attach_encoder(ref, *self, nullptr, *s.tok, *s.train);
+    const auto par_enc = attach_encoder(par, world, layout.value().get(), *s.tok, *s.train);
+    if (par_enc && std::getenv("NDT_TEST_SKIP_BRIDGE_SUM")) par_enc->set_skip_replica_sum(true);
     // Same microbatches as the layout (interleaved pipelines pack into a multiple of pp microbatches), so
     // that only the parallel reductions differ.
     ref.set_pack_count_multiple(par.pack_count_multiple());
@@ -99,7 +107,6 @@ Runner add_verify(CLI::App& app) {
     // and the generator/trainer agreement.
     const bool posttrain = s.cfg.posttrain.algo != "sft";
     NDT_CHECK(!posttrain || o->resume.empty(), "verify --resume compares training runs only");
-    std::unique_ptr<Communicator> self = make_self_communicator();
     std::unique_ptr<PosttrainSession> ref_pt, par_pt;
     if (posttrain) {
       ref_pt = std::make_unique<PosttrainSession>(ref, *s.tok, *self);
@@ -119,12 +126,16 @@ Runner add_verify(CLI::App& app) {
     std::vector<std::pair<std::string, Tensor>> par_w;  // host copies (the runs may live on GPUs)
     par.params().with_host_values([&] { par_w = gather_full_params(par.params(), *pc.tp, pc.ep); },
                                   /*write_back=*/false);
+    // The encoder's tensors: on every rank of every pipeline stage, so counted apart from the LLM's.
+    std::vector<std::pair<std::string, Tensor>> enc_w;
+    if (par_enc) enc_w = par_enc->full_weights();
 
     bool ok = true;
     const bool logger = world.rank() == 0;
     if (logger) {
       std::printf("verify: %s against the single-process run, %lld steps%s\n",
-                  layout.value()->describe().c_str(), static_cast<long long>(o->steps),
+                  (layout.value()->describe() + (par_enc ? "; " + par_enc->describe() : "")).c_str(),
+                  static_cast<long long>(o->steps),
                   o->resume.empty()
                       ? ""
                       : (", resumed at step " + std::to_string(first) + " from " + o->resume).c_str());
@@ -172,25 +183,34 @@ Runner add_verify(CLI::App& app) {
     double worst = 0;
     std::string worst_name;
     int64_t covered = 0;  // parameters checked here, each counted once over pipeline stages
+    auto compare = [&](const std::vector<std::pair<std::string, Tensor>>& ws, ParamStore& ref_store) {
+      for (const auto& [name, w] : ws) {
+        const Param* rp = ref_store.find(name);
+        NDT_CHECK(rp != nullptr && rp->value.numel() == w.numel(),
+                  "layout has parameter {} that the reference lacks", name);
+        const double d = weight_rel_diff(w, rp->value);
+        if (d >= worst) {
+          worst = d;
+          worst_name = name;
+        }
+      }
+    };
     ref.params().with_host_values(
         [&] {
-          for (const auto& [name, w] : par_w) {
-            covered += par.params().get(name).count_in_norm;
-            const Param* rp = ref.params().find(name);
-            NDT_CHECK(rp != nullptr && rp->value.numel() == w.numel(),
-                      "layout has parameter {} that the reference lacks", name);
-            const double d = weight_rel_diff(w, rp->value);
-            if (d >= worst) {
-              worst = d;
-              worst_name = name;
-            }
-          }
+          for (const auto& [name, w] : par_w) covered += par.params().get(name).count_in_norm;
+          compare(par_w, ref.params());
         },
         /*write_back=*/false);
     pc.pp->all_reduce(&covered, 1, DType::I64, ReduceOp::Sum);
+    int64_t expected = static_cast<int64_t>(ref.params().all().size());
+    if (par_enc) {  // the encoder's tensors are on every rank of every stage
+      ref_enc->params().with_host_values([&] { compare(enc_w, ref_enc->params()); }, /*write_back=*/false);
+      covered += static_cast<int64_t>(enc_w.size());
+      expected += static_cast<int64_t>(ref_enc->params().all().size());
+    }
     const double local_worst = worst;
     world.all_reduce(&worst, 1, DType::F64, ReduceOp::Max);
-    ok = ok && covered == static_cast<int64_t>(ref.params().all().size()) && worst <= o->tol_weights;
+    ok = ok && covered == expected && worst <= o->tol_weights;
     if (logger) {
       const std::string where = local_worst == worst ? " (" + worst_name + ")" : "";
       std::printf(
@@ -200,7 +220,9 @@ Runner add_verify(CLI::App& app) {
           o->tol_weights);
     }
     // Per-token logprobs and top-k logits of the first global batch, in sample order, after training.
-    {
+    if (par_enc) {
+      if (logger) std::printf("scores: not compared for a multimodal model (score does not take images yet)\n");
+    } else {
       std::vector<Sample> samples;
       for (int64_t j = 0; j < s.cfg.train.global_batch; ++j)
         samples.push_back(s.train->get(sample_index(s.cfg.data.seed, 0, j, s.cfg.train.global_batch,

@@ -122,6 +122,7 @@ Result<std::unique_ptr<Layout>> Layout::create(const Config& cfg, Communicator& 
   std::unique_ptr<Layout> l(new Layout());
   l->world_ = &world;
   l->grid_ = std::move(grid).value();
+  l->replica_axes_ = replica_axes(cfg);
   if (cfg.train.device == "cuda") {
 #ifdef NDT_HAVE_NCCL
     // One GPU per rank; every group that moves device buffers (activations, gradients, weights) gets an
@@ -130,7 +131,9 @@ Result<std::unique_ptr<Layout>> Layout::create(const Config& cfg, Communicator& 
     const int dev = cuda::select_device(world.rank());
     const std::vector<std::pair<std::string, std::vector<std::string>>> groups = {
         {"dp", {"dp"}}, {"cp", {"cp"}}, {"grad", {"dp", "cp"}}, {"tp", {"tp"}}, {"pp", {"pp"}}};
-    for (const auto& [name, dims] : groups) {
+    std::vector<std::pair<std::string, std::vector<std::string>>> all = groups;
+    if (cfg.encoder.enabled()) all.push_back({"bridge", replica_axes(cfg)});
+    for (const auto& [name, dims] : all) {
       Communicator& mpi = l->grid_->comm(std::vector<std::string>(dims.begin(), dims.end()));
       l->device_comms_[name] = make_nccl_communicator(mpi, dev);
     }
@@ -173,6 +176,16 @@ std::string Layout::describe() const {
 Communicator& Layout::group(const std::string& name, std::initializer_list<std::string> dims) {
   auto it = device_comms_.find(name);
   return it != device_comms_.end() ? *it->second : grid_->comm(std::vector<std::string>(dims));
+}
+
+std::vector<std::string> Layout::replica_axes(const Config& cfg) {
+  if (cfg.parallel.sequence_parallel) return {"tp", "cp", "pp"};
+  return {"cp", "pp"};
+}
+
+Communicator& Layout::bridge_group() {
+  auto it = device_comms_.find("bridge");
+  return it != device_comms_.end() ? *it->second : grid_->comm(replica_axes_);
 }
 
 RunComms Layout::comms() {

@@ -24,10 +24,15 @@ class Layout {
   Communicator& world() { return *world_; }
   bool is_logger() const { return world_->rank() == 0; }
   std::string describe() const;  // "tp=2 cp=1 ep=2 dp=2 pp=1"
+  // The ranks of one LLM replica whose gradients of an input row are partial sums (cp x pp, with tp under
+  // sequence parallelism): the multimodal bridge sums the injected rows' gradients over them.
+  Communicator& bridge_group();
+  static std::vector<std::string> replica_axes(const Config& cfg);
 
  private:
   Communicator* world_ = nullptr;
   std::unique_ptr<Grid> grid_;
+  std::vector<std::string> replica_axes_;
   std::unique_ptr<CommTpHooks> tp_hooks_;
   // Expert parallelism: EP and expert-data-parallel groups cut out of DP x CP (host/MPI communicators).
   std::unique_ptr<Communicator> ep_, edp_;

@@ -107,6 +107,11 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
     engine_->set_grads_ready_hook([this](int64_t b, int64_t e) { opt_->reduce_early(b, e); });
 }
 
+void Trainer::set_companion(StepCompanion* c) {
+  companion_ = c;
+  engine_->set_embed_hooks(c ? c->embed_hooks() : nullptr);
+}
+
 PackLayout Trainer::pack_layout_() const {
   return pack_layout(c_.cp->size(), c_.tp->size(), cfg_.parallel.sequence_parallel, cfg_.data.seq_len);
 }
@@ -219,6 +224,10 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   const float scale = 1.0f / static_cast<float>(n_tokens);
 
   engine_->params().zero_grad();
+  if (companion_) {
+    NDT_CHECK(token_loss == nullptr, "post-training steps do not take a second module (multimodal) yet");
+    companion_->begin_step(step);  // phase 1: encoder forward, bridged to this rank's samples
+  }
   engine_->begin_moe_step(static_cast<double>(counts[1]), static_cast<double>(counts[2]));
   const bool tracing = !trace_path_.empty() && step >= 1 && step <= 3;
   const double t0_us =
@@ -233,6 +242,7 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   }
   theory_bubble_ = engine_->theoretical_bubble(static_cast<int>(mbs.size()));
   engine_->sync_tied_grads();
+  if (companion_) companion_->finish_backward();  // phase 3: encoder backward
   if (auto v = fault_value(faults_, /*grad=*/true, step, c_.world->rank())) {
     // After backward, before the reduction: element 0 of the first local parameter's gradient.
     engine_->params().all().front()->grad.view_at(0, {1}).copy_from(Tensor::full({1}, *v));
@@ -246,6 +256,8 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   st.loss = token_loss ? loss_sum : loss_sum / static_cast<double>(n_tokens);  // token losses normalise
   st.tokens = n_tokens;
   st.grad_norm = opt_->reduce_grads();
+  // Both modules' gradients are reduced only now, after phase 3, and clipped by their joint norm.
+  if (companion_) st.grad_norm = std::hypot(st.grad_norm, companion_->reduce_grads());
   st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);
   // Non-finite loss or gradients: the same decision on every rank of the world (docs/reliability.md).
   if (const std::string bad = check_nonfinite(local_loss, st.loss, st.grad_norm, local_grads_finite);
@@ -273,6 +285,7 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
     consecutive_skips_ = 0;
     opt_->clip_grads(st.grad_norm, cfg_.train.grad_clip);
     opt_->step(st.lr);
+    if (companion_) companion_->clip_and_step(st.grad_norm, cfg_.train.grad_clip, st.lr);
   }
   st.skipped_steps = skipped_steps_;
   if (const auto moe = engine_->moe_layers(); !moe.empty())
@@ -370,6 +383,12 @@ EvalStats Trainer::evaluate() {
     };
     ev.exact_match =
         exact_match(fn, tok_, problems, cfg_.data.addition_digits + 2, *c_.dp, layout, lockstep());
+  }
+  if (companion_) {
+    ArgmaxFn fn = [this](const Microbatch& mb, const std::vector<int64_t>& rows) {
+      return engine_->argmax(mb, rows);
+    };
+    if (auto em = companion_->exact_match(fn)) std::tie(ev.exact_match, ev.problems) = *em;
   }
   if (val_) {
     ev.val_loss = validation_loss([this](const Microbatch& mb) { return engine_->loss_sum(mb); }, *val_,

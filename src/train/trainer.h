@@ -16,6 +16,7 @@
 #include "dist/communicator.h"
 #include "model/transformer.h"
 #include "parallel/pp/pipeline.h"
+#include "train/companion.h"
 #include "train/config.h"
 #include "train/fault.h"
 #include "train/logprobs.h"
@@ -111,6 +112,10 @@ class Trainer {
   int64_t pack_count_multiple() const { return pack_count_multiple_; }
   void set_pack_count_multiple(int64_t m) { pack_count_multiple_ = m; }
   int64_t count_params() const;
+  // A second module trained in the same steps (a multimodal model's encoder; train/companion.h). Not
+  // owned; set before the first step.
+  void set_companion(StepCompanion* c);
+  StepCompanion* companion() { return companion_; }
 
  private:
   Status try_resume(const std::string& dir);  // agreed over the world; OK: state loaded
@@ -144,6 +149,7 @@ class Trainer {
   std::unique_ptr<Optimizer> opt_;
   std::vector<StepStats> history_;
   std::vector<EvalStats> evals_;
+  StepCompanion* companion_ = nullptr;
   std::vector<Fault> faults_;  // debug.fault / NDT_FAULT (train/fault.h)
   int64_t skipped_steps_ = 0, consecutive_skips_ = 0;
 };

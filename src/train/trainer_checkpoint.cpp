@@ -13,6 +13,8 @@ std::string checkpoint_root(const TrainConfig& tc) {
   return tc.checkpoint_dir.empty() ? (std::filesystem::path(tc.out_dir) / "checkpoints").string()
                                    : tc.checkpoint_dir;
 }
+// A second module's checkpoints (the multimodal encoder) live beside the LLM's step directories.
+std::string companion_root(const std::string& root) { return (std::filesystem::path(root) / "encoder").string(); }
 }  // namespace
 
 void Trainer::save_checkpoint(int64_t steps_done) {
@@ -26,6 +28,8 @@ void Trainer::save_checkpoint(int64_t steps_done) {
                             cfg_.parallel.cp, cfg_.parallel.ep, cfg_.parallel.dp, cfg_.parallel.pp,
                             cfg_.parallel.virtual_stages, cfg_.parallel.zero1 ? " zero1" : "");
   const std::string dir = checkpoint_root(cfg_.train);
+  // A second module first: the LLM's step directory appearing is what commits the checkpoint.
+  if (companion_) companion_->save_checkpoint(companion_root(dir), steps_done);
   // DP x CP replicas hold identical slices: rank 0 of that group at each (tp, pp) coordinate writes them;
   // expert slices differ over EP: rank 0 of each expert-data-parallel group writes its experts.
   engine_->params().with_host_values(
@@ -93,6 +97,11 @@ Status Trainer::try_resume(const std::string& dir) {
       /*write_back=*/true);
   // Every rank must agree before training continues (a missing shard on one rank stops all).
   if (Status all = agree(st, *c_.world); !all) return all;
+  if (companion_) {
+    const std::string root = std::filesystem::path(step_dir.value()).parent_path().string();
+    if (Status all = agree(companion_->load_checkpoint(companion_root(root), meta.step), *c_.world); !all)
+      return all;
+  }
   opt_->scatter_moments(full_m, full_v);
   opt_->set_steps_taken(meta.optimizer_steps);
   start_step_ = meta.step;

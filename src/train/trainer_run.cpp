@@ -27,6 +27,8 @@ std::vector<std::pair<std::string, Tensor>> Trainer::full_weights() {
   std::vector<std::pair<std::string, Tensor>> full;
   engine_->params().with_host_values([&] { full = gather_full_params(engine_->params(), *c_.tp, c_.ep); },
                                      /*write_back=*/false);
+  if (companion_)
+    for (auto& w : companion_->full_weights()) full.push_back(std::move(w));
   Communicator& pp = *c_.pp;
   if (pp.size() == 1) return full;
   // Every stage broadcasts its tensors to the others (names, shapes, data), skipping tied copies.
@@ -247,7 +249,7 @@ int64_t Trainer::count_params() const {
   for (const auto& p : engine_->params().all())
     if (p->count_in_norm) n += shape_numel(p->global_shape);
   c_.pp->all_reduce(&n, 1, DType::I64, ReduceOp::Sum);
-  return n;
+  return n + (companion_ ? companion_->count_params() : 0);
 }
 
 }  // namespace ndt

@@ -1,0 +1,291 @@
+#include "mimo/mimo.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <numeric>
+
+#include "data/image_caption.h"
+#include "data/packing.h"
+#include "ops/ops.h"
+#include "parallel/layout.h"
+#include "parallel/tp/gather_params.h"
+#include "train/trainer.h"
+#include "train/checkpoint.h"
+
+#ifdef NDT_HAVE_CUDA
+#include "cuda/runtime.h"
+#endif
+#ifdef NDT_HAVE_NCCL
+#include "dist/nccl_communicator.h"
+#endif
+
+namespace ndt {
+
+MimoEncoder::MimoEncoder(const Config& cfg, Communicator& world, Communicator& llm_dp,
+                         Communicator* llm_replica, const Tokenizer& tok, const Dataset& train)
+    : cfg_(cfg),
+      world_(world),
+      llm_dp_(llm_dp),
+      llm_replica_(llm_replica),
+      tok_(tok),
+      train_(train),
+      image_token_(image_token_id(cfg.encoder, tok)),
+      patches_(cfg.encoder.patches()) {
+  const EncoderConfig& e = cfg_.encoder;
+  NDT_CHECK(e.enabled(), "MimoEncoder needs encoder.image_size > 0");
+  NDT_CHECK(image_token_ < cfg_.model.vocab_size, "encoder.image_token {} is outside model.vocab_size {}",
+            image_token_, cfg_.model.vocab_size);
+  const int64_t etp = e.tp, edp = e.dp > 0 ? e.dp : world.size() / etp;
+  GridSpec spec;
+  spec.sizes = {{"tp", etp}, {"dp", edp}};
+  auto grid = Grid::create(world, spec);
+  if (!grid) throw AgreedError("encoder layout: " + grid.status().message());
+  grid_ = std::move(grid).value();
+  tp_ = &grid_->comm({"tp"});
+  dp_ = &grid_->comm({"dp"});
+  const bool cuda = cfg_.train.device == "cuda";
+  if (cuda) {
+#ifdef NDT_HAVE_NCCL
+    const int dev = cuda::select_device(world.rank());
+    for (Communicator** c : {&tp_, &dp_}) {
+      device_comms_.push_back(make_nccl_communicator(**c, dev));
+      *c = device_comms_.back().get();
+    }
+#else
+    throw AgreedError("train.device is cuda but this ndtrain was built without NCCL");
+#endif
+  }
+  tp_hooks_ = std::make_unique<CommTpHooks>(*tp_, /*sequence_parallel=*/false);
+  enc_ = std::make_unique<VisionEncoder>(e, cfg_.model.d_model, cfg_.model.norm_eps, cfg_.model.init_std,
+                                         etp > 1 ? tp_hooks_.get() : nullptr, store_);
+  store_.flatten(edp);
+  store_.init(static_cast<uint64_t>(cfg_.train.seed));  // names differ from the LLM's: independent values
+  if (cuda) {
+#ifdef NDT_HAVE_CUDA
+    store_.to_device(Device::CUDA, cfg_.train.effective_precision() == "bf16" ? DType::BF16 : DType::F32);
+#endif
+  }
+  OptimizerComms oc;
+  oc.dp = dp_;
+  oc.tp = tp_;
+  oc.zero1 = cfg_.parallel.zero1;
+  opt_ = std::make_unique<Optimizer>(store_, cfg_.train, oc);
+
+  // Every rank's coordinates in both layouts (the bridge routes with them).
+  int64_t mine[3] = {grid_->coord("dp"), grid_->coord("tp"), llm_dp.rank()};
+  std::vector<int64_t> all(static_cast<size_t>(3 * world.size()));
+  world.all_gather(mine, all.data(), 3, DType::I64);
+  map_.batch = cfg_.train.global_batch;
+  map_.enc_dp = edp;
+  map_.enc_tp = etp;
+  map_.llm_dp = llm_dp.size();
+  for (int r = 0; r < world.size(); ++r) {
+    map_.enc_dp_of.push_back(all[static_cast<size_t>(3 * r)]);
+    map_.enc_tp_of.push_back(all[static_cast<size_t>(3 * r + 1)]);
+    map_.llm_dp_of.push_back(all[static_cast<size_t>(3 * r + 2)]);
+  }
+  if (Status st = agree(map_.validate(), world); !st) throw AgreedError(st.message());
+  bridge_ = std::make_unique<Bridge>(map_, world, llm_replica_);
+}
+
+std::string MimoEncoder::describe() const {
+  const char* kind = map_.enc_dp == map_.llm_dp ? "equal" : (map_.enc_dp > map_.llm_dp ? "fan-in" : "fan-out");
+  return fmt::format("encoder tp={} dp={} -> LLM dp={} ({})", map_.enc_tp, map_.enc_dp, map_.llm_dp, kind);
+}
+
+Sample MimoEncoder::sample_at(int64_t step, int64_t j) const {
+  const int64_t gb = cfg_.train.global_batch;
+  return train_.get(sample_index(cfg_.data.seed, step, j, gb, train_.size(), cfg_.data.shuffle));
+}
+
+int64_t MimoEncoder::first_placeholder(const std::vector<int32_t>& tokens) const {
+  const auto it = std::find(tokens.begin(), tokens.end(), image_token_);
+  NDT_CHECK(it != tokens.end(), "a multimodal sample has no image placeholder token ({})", image_token_);
+  const int64_t first = it - tokens.begin();
+  for (int64_t k = 0; k < patches_; ++k)
+    NDT_CHECK(first + k < static_cast<int64_t>(tokens.size()) && tokens[static_cast<size_t>(first + k)] == image_token_,
+              "a sample's image placeholders must be one run of {} tokens", patches_);
+  return first;
+}
+
+void MimoEncoder::fill_table(const Bridge& bridge, const Tensor& images, EncoderActs& acts,
+                             std::vector<int64_t> first_pos) {
+  Tensor out = enc_->forward(images, acts);  // (Be * patches, C), replicated over the encoder's TP
+  table_ = bridge.forward(out, patches_);
+  first_pos_ = std::move(first_pos);
+  dtable_ = Tensor::zeros(table_.shape(), table_.dtype(), table_.device());
+}
+
+void MimoEncoder::begin_step(int64_t step) {
+  const EncoderConfig& e = cfg_.encoder;
+  const int me = world_.rank();
+  const auto [ef, ec] = map_.enc_block(me);
+  std::vector<float> pixels;
+  for (int64_t j = ef; j < ef + ec; ++j) {
+    const Sample s = sample_at(step, j);
+    NDT_CHECK(static_cast<int64_t>(s.image.size()) == e.channels * e.image_size * e.image_size,
+              "sample {} of step {} has {} pixels, expected {} x {} x {}", j, step, s.image.size(), e.channels,
+              e.image_size, e.image_size);
+    pixels.insert(pixels.end(), s.image.begin(), s.image.end());
+  }
+  const auto [lf, lc] = map_.llm_block(me);
+  std::vector<int64_t> first;
+  for (int64_t j = lf; j < lf + lc; ++j) first.push_back(first_placeholder(sample_at(step, j).tokens));
+  store_.zero_grad();
+  acts_ = EncoderActs();
+  fill_table(*bridge_, Tensor::from_vector(pixels, {ec, e.channels, e.image_size, e.image_size}), acts_,
+             std::move(first));
+}
+
+void MimoEncoder::placeholder_rows(const Microbatch& mb, int64_t tok0, int64_t Tl, std::vector<int64_t>& x_rows,
+                                   std::vector<int64_t>& table_rows) const {
+  const int32_t* cu = mb.cu_seqlens.i32();
+  const int32_t* tok = mb.tokens.i32();
+  const int32_t* pos = mb.positions.i32();
+  const int64_t n = static_cast<int64_t>(first_pos_.size());
+  for (int64_t s = 0; s < mb.nseq; ++s) {
+    const int64_t id = s < static_cast<int64_t>(mb.sample_ids.size()) ? mb.sample_ids[static_cast<size_t>(s)] : -1;
+    if (id < 0) continue;  // a pad-only sequence
+    NDT_CHECK(id < n, "microbatch sample {} is outside the {} samples with images", id, n);
+    const int64_t b = std::max<int64_t>(cu[s], tok0), e = std::min<int64_t>(cu[s + 1], tok0 + Tl);
+    for (int64_t t = b; t < e; ++t) {
+      if (tok[t] != image_token_) continue;
+      // Positions are global inside the sequence (also on a CP shard): the k-th patch of the image.
+      const int64_t k = pos[t] - first_pos_[static_cast<size_t>(id)];
+      NDT_CHECK(k >= 0 && k < patches_, "image placeholder at position {} is outside its run", pos[t]);
+      x_rows.push_back(t - tok0);
+      table_rows.push_back(id * patches_ + k);
+    }
+  }
+}
+
+void MimoEncoder::inject(const Microbatch& mb, int64_t tok0, Tensor& x) {
+  std::vector<int64_t> rows, src;
+  placeholder_rows(mb, tok0, x.size(0), rows, src);
+  if (rows.empty()) return;
+  const std::vector<int32_t> r32(rows.begin(), rows.end());
+  ops::scatter_rows(x, Tensor::from_vector(r32, {static_cast<int64_t>(r32.size())}), ops::gather_rows(table_, src));
+}
+
+void MimoEncoder::take_grad(const Microbatch& mb, int64_t tok0, Tensor& dx) {
+  std::vector<int64_t> rows, dst;
+  placeholder_rows(mb, tok0, dx.size(0), rows, dst);
+  if (rows.empty()) return;
+  ops::scatter_add_rows(dtable_, ops::gather_rows(dx, rows), dst);
+  const std::vector<int32_t> r32(rows.begin(), rows.end());
+  const int64_t n = static_cast<int64_t>(r32.size());
+  ops::scatter_rows(dx, Tensor::from_vector(r32, {n}), Tensor::zeros({n, dx.size(1)}, dx.dtype(), dx.device()));
+}
+
+void MimoEncoder::finish_backward() {
+  const Tensor denc = skip_replica_sum_ ? bridge_->backward_unreduced(dtable_, patches_)
+                                        : bridge_->backward(dtable_, patches_);
+  enc_->backward(denc, acts_);
+  acts_ = EncoderActs();
+}
+
+double MimoEncoder::reduce_grads() { return opt_->reduce_grads(); }
+
+void MimoEncoder::clip_and_step(double total_norm, double clip, double lr) {
+  opt_->clip_grads(total_norm, clip);
+  opt_->step(lr);
+}
+
+std::optional<std::pair<double, int64_t>> MimoEncoder::exact_match(const ArgmaxFn& llm) {
+  const int64_t n = cfg_.train.eval_samples;
+  if (cfg_.data.task != "image_caption" || n <= 0) return std::nullopt;
+  // The held-out problems padded (by repeating) to a multiple of both DP degrees, moved like a batch.
+  const int64_t L = std::lcm(map_.enc_dp, map_.llm_dp), P = (n + L - 1) / L * L;
+  const auto problems = image_caption_eval_problems(cfg_.data, cfg_.encoder, tok_, n);
+  BridgeMap m = map_;
+  m.batch = P;
+  const Bridge bridge(m, world_, nullptr);
+  const int me = world_.rank();
+  const auto [ef, ec] = m.enc_block(me);
+  std::vector<float> pixels;
+  for (int64_t j = ef; j < ef + ec; ++j) {
+    const auto& img = problems[static_cast<size_t>(j % n)].image;
+    pixels.insert(pixels.end(), img.begin(), img.end());
+  }
+  const auto [lf, lc] = m.llm_block(me);
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<int64_t> first;
+  for (int64_t j = lf; j < lf + lc; ++j) {
+    prompts.push_back(problems[static_cast<size_t>(j % n)].prompt);
+    first.push_back(first_placeholder(prompts.back()));
+  }
+  const EncoderConfig& e = cfg_.encoder;
+  EncoderActs acts;
+  fill_table(bridge, Tensor::from_vector(pixels, {ec, e.channels, e.image_size, e.image_size}), acts,
+             std::move(first));
+  const PackLayout layout =
+      pack_layout(cfg_.parallel.cp, cfg_.parallel.tp, cfg_.parallel.sequence_parallel, cfg_.data.seq_len);
+  const auto gen = greedy_generate(llm, prompts, cfg_.data.caption_digits + 1, tok_.eos_id(), tok_.pad_id(),
+                                   layout, cfg_.parallel.ep > 1 ? &llm_dp_ : nullptr);
+  int64_t correct = 0;
+  for (int64_t i = 0; i < lc; ++i)
+    if (lf + i < n) correct += tok_.decode(gen[static_cast<size_t>(i)]) == problems[static_cast<size_t>(lf + i)].answer;
+  llm_dp_.all_reduce(&correct, 1, DType::I64, ReduceOp::Sum);
+  table_ = Tensor();
+  dtable_ = Tensor();
+  return std::make_pair(static_cast<double>(correct) / static_cast<double>(n), n);
+}
+
+std::vector<std::pair<std::string, Tensor>> MimoEncoder::full_weights() {
+  std::vector<std::pair<std::string, Tensor>> full;
+  store_.with_host_values([&] { full = gather_full_params(store_, *tp_, nullptr); }, /*write_back=*/false);
+  return full;
+}
+
+int64_t MimoEncoder::count_params() const {
+  int64_t n = 0;
+  for (const auto& p : store_.all())
+    if (p->count_in_norm) n += shape_numel(p->global_shape);
+  return n;
+}
+
+void MimoEncoder::save_checkpoint(const std::string& root, int64_t step) {
+  Tensor full_m, full_v;
+  opt_->gather_moments(full_m, full_v);
+  CheckpointMeta meta;
+  meta.step = step;
+  meta.optimizer_steps = opt_->steps_taken();
+  meta.config_yaml = config_to_yaml(cfg_);
+  meta.layout = fmt::format("encoder tp={} dp={}", map_.enc_tp, map_.enc_dp);
+  // Encoder DP replicas hold identical slices: DP rank 0 of each TP coordinate writes.
+  store_.with_host_values(
+      [&] {
+        ndt::save_checkpoint(root, store_, full_m, full_v, meta, dp_->rank() == 0,
+                             static_cast<int>(cfg_.train.keep_last), world_)
+            .throw_if_error();
+      },
+      /*write_back=*/false);
+}
+
+Status MimoEncoder::load_checkpoint(const std::string& root, int64_t step) {
+  const std::string dir = (std::filesystem::path(root) / checkpoint_step_name(step)).string();
+  auto meta = read_checkpoint_meta(dir);
+  if (!meta) return Status::error(fmt::format("encoder checkpoint for step {}: {}", step, meta.status().message()));
+  const int64_t n = store_.flat_values().numel();
+  Tensor full_m = Tensor::zeros({n}), full_v = Tensor::zeros({n});
+  Status st;
+  store_.with_host_values([&] { st = ndt::load_checkpoint(dir, store_, &full_m, &full_v); }, /*write_back=*/true);
+  if (!st) return st;
+  opt_->scatter_moments(full_m, full_v);
+  opt_->set_steps_taken(meta.value().optimizer_steps);
+  return Status::ok();
+}
+
+std::unique_ptr<MimoEncoder> attach_encoder(Trainer& trainer, Communicator& world, Layout* layout,
+                                            const Tokenizer& tok, const Dataset& train) {
+  const Config& cfg = trainer.config();
+  if (!cfg.encoder.enabled()) return nullptr;
+  auto enc = std::make_unique<MimoEncoder>(cfg, world, *trainer.comms().dp, layout ? &layout->bridge_group() : nullptr,
+                                           tok, train);
+  trainer.set_companion(enc.get());
+  return enc;
+}
+
+}  // namespace ndt
