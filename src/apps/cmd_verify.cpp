@@ -92,7 +92,7 @@ Runner add_verify(CLI::App& app) {
     std::unique_ptr<Communicator> self = make_self_communicator();
     const auto ref_enc = attach_encoder(ref, *self, nullptr, *s.tok, *s.train);
     const auto par_enc = attach_encoder(par, world, layout.value().get(), *s.tok, *s.train);
-    if (par_enc && std::getenv("NDT_TEST_SKIP_BRIDGE_SUM")) par_enc->set_skip_replica_sum(true);
+    if (const char* f = std::getenv("NDT_MIMO_TEST_FAULT"); par_enc && f) par_enc->set_test_fault(f);
     // Same microbatches as the layout (interleaved pipelines pack into a multiple of pp microbatches), so
     // that only the parallel reductions differ.
     ref.set_pack_count_multiple(par.pack_count_multiple());

@@ -1,6 +1,7 @@
 #include "mimo/mimo.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -134,6 +135,7 @@ void MimoEncoder::begin_step(int64_t step) {
   std::vector<int64_t> first;
   for (int64_t j = lf; j < lf + lc; ++j) first.push_back(first_placeholder(sample_at(step, j).tokens));
   store_.zero_grad();
+  if (early_reduce_) opt_->reduce_grads();  // (test fault) reduces zeros: the gradients do not exist yet
   acts_ = EncoderActs();
   fill_table(*bridge_, Tensor::from_vector(pixels, {ec, e.channels, e.image_size, e.image_size}), acts_,
              std::move(first));
@@ -186,7 +188,21 @@ void MimoEncoder::finish_backward() {
   acts_ = EncoderActs();
 }
 
-double MimoEncoder::reduce_grads() { return opt_->reduce_grads(); }
+double MimoEncoder::reduce_grads() {
+  if (!early_reduce_) return opt_->reduce_grads();
+  // (test fault) the local, unreduced gradients go to the update
+  Tensor g = store_.flat_grads().to(Device::CPU);
+  double sq = 0;
+  for (int64_t i = 0; i < g.numel(); ++i) sq += static_cast<double>(g.f32()[i]) * g.f32()[i];
+  return std::sqrt(sq);
+}
+
+void MimoEncoder::set_test_fault(const std::string& fault) {
+  NDT_CHECK(fault.empty() || fault == "skip_bridge_sum" || fault == "early_reduce",
+            "NDT_MIMO_TEST_FAULT must be skip_bridge_sum or early_reduce, got '{}'", fault);
+  skip_replica_sum_ = fault == "skip_bridge_sum";
+  early_reduce_ = fault == "early_reduce";
+}
 
 void MimoEncoder::clip_and_step(double total_norm, double clip, double lr) {
   opt_->clip_grads(total_norm, clip);

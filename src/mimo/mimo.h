@@ -56,9 +56,11 @@ class MimoEncoder final : public StepCompanion, private EmbedHooks {
 
   ParamStore& params() { return store_; }
   std::string describe() const;  // "encoder tp=1 dp=4 -> LLM dp=2 (fan-in)"
-  // Test hook: skip the bridge's sum over the LLM replica's partial gradients (directed tests show that
-  // parity then fails whenever CP, PP or SP splits the injected rows).
-  void set_skip_replica_sum(bool skip) { skip_replica_sum_ = skip; }
+  // Test hooks that re-create the classic bugs, so that directed tests can show verify catching them
+  // (env NDT_MIMO_TEST_FAULT in `ndtrain verify`): "skip_bridge_sum" drops the bridge's sum over the LLM
+  // replica's partial gradients; "early_reduce" reduces the encoder's gradients over DP in phase 1, before
+  // they exist, and not after phase 3. Empty: none. Errors on anything else.
+  void set_test_fault(const std::string& fault);
 
  private:
   void inject(const Microbatch& mb, int64_t tok0, Tensor& x) override;
@@ -93,7 +95,7 @@ class MimoEncoder final : public StepCompanion, private EmbedHooks {
   EncoderActs acts_;
   Tensor table_, dtable_;  // (samples of this LLM shard * patches, C): injected rows and their gradient
   std::vector<int64_t> first_pos_;
-  bool skip_replica_sum_ = false;
+  bool skip_replica_sum_ = false, early_reduce_ = false;
 };
 
 class Layout;
