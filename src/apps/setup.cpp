@@ -48,13 +48,13 @@ RunSetup load_run(Communicator& world, const std::string& config_path,
                                   s.cfg.data.tokenizer, s.tok->vocab_size(), s.cfg.model.vocab_size)),
         world);
   }
-  auto train = make_dataset(s.cfg.data, *s.tok, false);
+  auto train = make_dataset(s.cfg.data, *s.tok, false, s.cfg.encoder);
   agree_or_throw(train.status(), world);
   s.train = std::move(train).value();
   const std::string& task = s.cfg.data.task;
-  const bool synthetic = task == "addition" || task == "sort" || task == "lm";
+  const bool synthetic = task == "addition" || task == "sort" || task == "lm" || task == "image_caption";
   if (synthetic || !s.cfg.data.val_path.empty()) {
-    auto val = make_dataset(s.cfg.data, *s.tok, true);
+    auto val = make_dataset(s.cfg.data, *s.tok, true, s.cfg.encoder);
     agree_or_throw(val.status(), world);
     s.val = std::move(val).value();
   }

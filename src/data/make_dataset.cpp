@@ -2,13 +2,15 @@
 
 #include <fmt/format.h>
 
+#include "data/image_caption.h"
 #include "data/sft.h"
 #include "data/shards.h"
 #include "data/synthetic.h"
 
 namespace ndt {
 
-Result<std::unique_ptr<Dataset>> make_dataset(const DataConfig& cfg, const Tokenizer& tok, bool validation) {
+Result<std::unique_ptr<Dataset>> make_dataset(const DataConfig& cfg, const Tokenizer& tok, bool validation,
+                                              const EncoderConfig& encoder) {
   if (cfg.task == "addition") {
     if (cfg.addition_digits < 1 || cfg.addition_digits > 18)
       return Status::error(
@@ -29,9 +31,23 @@ Result<std::unique_ptr<Dataset>> make_dataset(const DataConfig& cfg, const Token
     return std::unique_ptr<Dataset>(
         std::make_unique<LmTask>(cfg.seq_len, cfg.seed, tok, validation ? "val" : "train", cfg.min_seq_len));
   }
+  if (cfg.task == "image_caption") {
+    if (!encoder.enabled())
+      return Status::error(
+          "data.task image_caption needs an image encoder: set encoder.image_size (e.g. 16)");
+    // The task checks its shapes (image vs digits, patches, seq_len) on construction; a boundary returns
+    // them.
+    try {
+      return std::unique_ptr<Dataset>(std::make_unique<ImageCaptionTask>(cfg, encoder, tok, validation));
+    } catch (const Error& e) {
+      return Status::error(e.what());
+    }
+  }
   if (cfg.task != "shards" && cfg.task != "sft")
     return Status::error(fmt::format(
-        "data.task is '{}'; expected \"addition\", \"sort\", \"lm\", \"shards\" or \"sft\"", cfg.task));
+        "data.task is '{}'; expected \"addition\", \"sort\", \"lm\", \"image_caption\", \"shards\" or "
+        "\"sft\"",
+        cfg.task));
   const std::string& path = validation ? cfg.val_path : cfg.path;
   if (path.empty())
     return Status::error(
