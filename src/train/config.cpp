@@ -670,12 +670,12 @@ static Status validate_encoder(const Config& c) {
   if (c.train.device == "cuda" && e.d_model / e.n_heads != 64 && e.d_model / e.n_heads != 128)
     return errf("train.device cuda needs an encoder head dim of 64 or 128, got encoder.d_model / n_heads = {}",
                 e.d_model / e.n_heads);
-  // image_caption samples: the placeholders, '=', the caption's digits and EOS (inputs: all but the last).
-  if (c.data.task == "image_caption" && e.patches() + c.data.caption_digits + 1 > c.data.seq_len)
+  // image_caption samples: BOS, the placeholders, '=', the caption's digits and EOS (inputs: all but EOS).
+  if (c.data.task == "image_caption" && e.patches() + c.data.caption_digits + 2 > c.data.seq_len)
     return errf(
-        "captions longer than the context: an image's {} placeholder tokens ((encoder.image_size / "
+        "captions longer than the context: BOS, an image's {} placeholder tokens ((encoder.image_size / "
         "encoder.patch_size)^2), '=' and {} caption digits need data.seq_len >= {}, got {}",
-        e.patches(), c.data.caption_digits, e.patches() + c.data.caption_digits + 1, c.data.seq_len);
+        e.patches(), c.data.caption_digits, e.patches() + c.data.caption_digits + 2, c.data.seq_len);
   return Status::ok();
 }
 

@@ -390,7 +390,7 @@ EvalStats Trainer::evaluate() {
     };
     if (auto em = companion_->exact_match(fn)) std::tie(ev.exact_match, ev.problems) = *em;
   }
-  if (val_) {
+  if (val_ && !companion_) {  // (a second module's inputs exist only for its own problems and batches)
     ev.val_loss = validation_loss([this](const Microbatch& mb) { return engine_->loss_sum(mb); }, *val_,
                                   cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
                                   std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp,
