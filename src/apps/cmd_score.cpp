@@ -6,6 +6,7 @@
 
 #include "apps/commands.h"
 #include "apps/setup.h"
+#include "mimo/mimo.h"
 #include "parallel/layout.h"
 #include "train/safetensors.h"
 #include "train/trainer.h"
@@ -34,6 +35,7 @@ Runner add_score(CLI::App& app) {
     auto layout = Layout::create(s.cfg, world);
     agree_or_throw(layout.status(), world);
     Trainer trainer(s.cfg, layout.value()->comms(), *s.tok, *s.train, nullptr);
+    const auto encoder = attach_encoder(trainer, world, layout.value().get(), *s.tok, *s.train);
     if (!o->resume.empty()) trainer.resume(o->resume);
     if (!o->weights.empty()) {
       auto file = open_safetensors(o->weights);

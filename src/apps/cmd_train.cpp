@@ -59,10 +59,10 @@ Runner add_train(CLI::App& app) {
       NDT_CHECK(init.empty(), "posttrain.init and --init/--init-hf both name initial weights: give one");
       init = read_weights(s.cfg.posttrain.init, world);
     }
-    if (!init.empty()) trainer.load_weights(init);
     // A multimodal model's image encoder, on its own layout over the same ranks (docs/multimodal.md).
     const auto encoder = attach_encoder(trainer, world, layout.value().get(), *s.tok, *s.train);
     if (encoder && world.rank() == 0) std::printf("multimodal: %s\n", encoder->describe().c_str());
+    if (!init.empty()) trainer.load_weights(init);
     if (s.cfg.posttrain.algo != "sft") {
       NDT_CHECK(!encoder, "post-training (posttrain.algo {}) does not take an image encoder yet",
                 s.cfg.posttrain.algo);

@@ -220,9 +220,7 @@ Runner add_verify(CLI::App& app) {
           o->tol_weights);
     }
     // Per-token logprobs and top-k logits of the first global batch, in sample order, after training.
-    if (par_enc) {
-      if (logger) std::printf("scores: not compared for a multimodal model (score does not take images yet)\n");
-    } else {
+    {
       std::vector<Sample> samples;
       for (int64_t j = 0; j < s.cfg.train.global_batch; ++j)
         samples.push_back(s.train->get(sample_index(s.cfg.data.seed, 0, j, s.cfg.train.global_batch,

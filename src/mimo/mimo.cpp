@@ -1,7 +1,9 @@
 #include "mimo/mimo.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -58,6 +60,7 @@ MimoEncoder::MimoEncoder(const Config& cfg, Communicator& world, Communicator& l
     throw AgreedError("train.device is cuda but this ndtrain was built without NCCL");
 #endif
   }
+  if (const char* t = std::getenv("NDT_MIMO_TIMING")) sync_timing_ = std::string(t) == "1";
   tp_hooks_ = std::make_unique<CommTpHooks>(*tp_, /*sequence_parallel=*/false);
   enc_ = std::make_unique<VisionEncoder>(e, cfg_.model.d_model, cfg_.model.norm_eps, cfg_.model.init_std,
                                          etp > 1 ? tp_hooks_.get() : nullptr, store_);
@@ -111,10 +114,24 @@ int64_t MimoEncoder::first_placeholder(const std::vector<int32_t>& tokens) const
   return first;
 }
 
+double MimoEncoder::now() const {
+#ifdef NDT_HAVE_CUDA
+  if (sync_timing_ && store_.device() == Device::CUDA) cuda::synchronize();
+#endif
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 void MimoEncoder::fill_table(const Bridge& bridge, const Tensor& images, EncoderActs& acts,
                              std::vector<int64_t> first_pos) {
+  const double t0 = now();
   Tensor out = enc_->forward(images, acts);  // (Be * patches, C), replicated over the encoder's TP
+  const double t1 = now();
   table_ = bridge.forward(out, patches_);
+  const double t2 = now();
+  if (&acts == &acts_ && times_.steps > 0) {  // training steps after the first
+    times_.enc_fwd += t1 - t0;
+    times_.bridge_fwd += t2 - t1;
+  }
   first_pos_ = std::move(first_pos);
   dtable_ = Tensor::zeros(table_.shape(), table_.dtype(), table_.device());
 }
@@ -134,6 +151,7 @@ void MimoEncoder::begin_step(int64_t step) {
   const auto [lf, lc] = map_.llm_block(me);
   std::vector<int64_t> first;
   for (int64_t j = lf; j < lf + lc; ++j) first.push_back(first_placeholder(sample_at(step, j).tokens));
+  ++times_.steps;
   store_.zero_grad();
   if (early_reduce_) opt_->reduce_grads();  // (test fault) reduces zeros: the gradients do not exist yet
   acts_ = EncoderActs();
@@ -182,10 +200,29 @@ void MimoEncoder::take_grad(const Microbatch& mb, int64_t tok0, Tensor& dx) {
 }
 
 void MimoEncoder::finish_backward() {
+  const double t0 = now();
   const Tensor denc = skip_replica_sum_ ? bridge_->backward_unreduced(dtable_, patches_)
                                         : bridge_->backward(dtable_, patches_);
+  const double t1 = now();
   enc_->backward(denc, acts_);
   acts_ = EncoderActs();
+  if (times_.steps > 0) {
+    times_.bridge_bwd += t1 - t0;
+    times_.enc_bwd += now() - t1;
+  }
+}
+
+std::string MimoEncoder::report(double mean_step_seconds) const {
+  if (times_.steps <= 0 || mean_step_seconds <= 0) return "";
+  const double n = static_cast<double>(times_.steps), step = mean_step_seconds;
+  auto part = [&](const char* name, double total) {
+    return fmt::format("{} {:.2f} ms ({:.1f}%)", name, 1e3 * total / n, 100.0 * total / n / step);
+  };
+  return fmt::format("multimodal phases per step ({} steps, step {:.2f} ms{}): {}, {}, {}, {}; bridge total {:.2f}%",
+                     times_.steps, 1e3 * step, sync_timing_ || store_.device() == Device::CPU ? "" : ", unsynchronized",
+                     part("encoder fwd", times_.enc_fwd), part("bridge fwd", times_.bridge_fwd),
+                     part("bridge bwd", times_.bridge_bwd), part("encoder bwd", times_.enc_bwd),
+                     100.0 * (times_.bridge_fwd + times_.bridge_bwd) / n / step);
 }
 
 double MimoEncoder::reduce_grads() {
@@ -207,6 +244,35 @@ void MimoEncoder::set_test_fault(const std::string& fault) {
 void MimoEncoder::clip_and_step(double total_norm, double clip, double lr) {
   opt_->clip_grads(total_norm, clip);
   opt_->step(lr);
+}
+
+void MimoEncoder::prepare_scoring(const std::vector<Sample>& samples) {
+  // Every rank gets the rows of every sample (scoring splits samples over DP its own way): the bridge
+  // towards a single LLM replica that all ranks belong to, over the samples padded to a multiple of the
+  // encoder's DP degree.
+  const int64_t n = static_cast<int64_t>(samples.size());
+  NDT_CHECK(n > 0, "nothing to score");
+  const int64_t P = (n + map_.enc_dp - 1) / map_.enc_dp * map_.enc_dp;
+  BridgeMap m = map_;
+  m.batch = P;
+  m.llm_dp = 1;
+  m.llm_dp_of.assign(m.llm_dp_of.size(), 0);
+  const Bridge bridge(m, world_, nullptr);
+  const EncoderConfig& e = cfg_.encoder;
+  const auto [ef, ec] = m.enc_block(world_.rank());
+  std::vector<float> pixels;
+  for (int64_t j = ef; j < ef + ec; ++j) {
+    const auto& img = samples[static_cast<size_t>(j % n)].image;
+    NDT_CHECK(static_cast<int64_t>(img.size()) == e.channels * e.image_size * e.image_size,
+              "sample {} to score has {} pixels, expected {} x {} x {}", j % n, img.size(), e.channels,
+              e.image_size, e.image_size);
+    pixels.insert(pixels.end(), img.begin(), img.end());
+  }
+  std::vector<int64_t> first;
+  for (int64_t j = 0; j < P; ++j) first.push_back(first_placeholder(samples[static_cast<size_t>(j % n)].tokens));
+  EncoderActs acts;
+  fill_table(bridge, Tensor::from_vector(pixels, {ec, e.channels, e.image_size, e.image_size}), acts,
+             std::move(first));
 }
 
 std::optional<std::pair<double, int64_t>> MimoEncoder::exact_match(const ArgmaxFn& llm) {
@@ -247,6 +313,15 @@ std::optional<std::pair<double, int64_t>> MimoEncoder::exact_match(const ArgmaxF
   table_ = Tensor();
   dtable_ = Tensor();
   return std::make_pair(static_cast<double>(correct) / static_cast<double>(n), n);
+}
+
+void MimoEncoder::load_weights(const std::vector<std::pair<std::string, Tensor>>& full) {
+  std::map<std::string, const Tensor*> by_name;
+  for (const auto& [name, t] : full)
+    if (store_.find(name)) by_name[name] = &t;
+  if (by_name.empty()) return;  // an LLM-only checkpoint: the encoder keeps its initialization
+  store_.with_host_values([&] { copy_global_slices(store_, by_name, "initial weights (encoder)"); },
+                          /*write_back=*/true);
 }
 
 std::vector<std::pair<std::string, Tensor>> MimoEncoder::full_weights() {

@@ -48,9 +48,12 @@ class MimoEncoder final : public StepCompanion, private EmbedHooks {
   void finish_backward() override;
   double reduce_grads() override;
   void clip_and_step(double total_norm, double clip, double lr) override;
+  void prepare_scoring(const std::vector<Sample>& samples) override;
   std::optional<std::pair<double, int64_t>> exact_match(const ArgmaxFn& llm) override;
+  void load_weights(const std::vector<std::pair<std::string, Tensor>>& full) override;
   std::vector<std::pair<std::string, Tensor>> full_weights() override;
   int64_t count_params() const override;
+  std::string report(double mean_step_seconds) const override;
   void save_checkpoint(const std::string& root, int64_t step) override;
   Status load_checkpoint(const std::string& root, int64_t step) override;
 
@@ -96,6 +99,14 @@ class MimoEncoder final : public StepCompanion, private EmbedHooks {
   Tensor table_, dtable_;  // (samples of this LLM shard * patches, C): injected rows and their gradient
   std::vector<int64_t> first_pos_;
   bool skip_replica_sum_ = false, early_reduce_ = false;
+  // Time per phase piece, summed over steps after the first (NDT_MIMO_TIMING=1 on a GPU synchronizes at
+  // each boundary so that the pieces are exact; on the CPU they always are).
+  struct Times {
+    double enc_fwd = 0, bridge_fwd = 0, bridge_bwd = 0, enc_bwd = 0;
+    int64_t steps = -1;
+  } times_;
+  bool sync_timing_ = false;
+  double now() const;
 };
 
 class Layout;

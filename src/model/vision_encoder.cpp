@@ -55,7 +55,11 @@ VisionEncoder::VisionEncoder(const EncoderConfig& cfg, int64_t llm_d_model, doub
   hidden_local_ = Hp / tps;
   const float std = static_cast<float>(init_std);
 
-  store.add("encoder.patch_embed.weight", {C, K}, InitKind::Normal, std, true);
+  // Pixels enter through a K-wide linear map: at the transformer's std (0.02) an image's signal would sit
+  // below the position table's and the LLM learns to ignore it; 1/sqrt(K) (a conv's default fan-in scale)
+  // gives unit-variance patch features.
+  store.add("encoder.patch_embed.weight", {C, K}, InitKind::Normal, 1.0f / std::sqrt(static_cast<float>(K)),
+            true);
   store.add("encoder.patch_embed.bias", {C}, InitKind::Zeros, 0, false);
   store.add("encoder.positions.weight", {N, C}, InitKind::Normal, std, true);
 

@@ -35,11 +35,19 @@ class StepCompanion {
   virtual double reduce_grads() = 0;
   // Clips by `total_norm` (over both modules) like the LLM's optimizer, then updates.
   virtual void clip_and_step(double total_norm, double clip, double lr) = 0;
+  // Before the LLM scores `samples` (Trainer::score; microbatches then carry indices into `samples` as
+  // sample ids): the module's outputs for all of them. Collective.
+  virtual void prepare_scoring(const std::vector<Sample>& samples) = 0;
   // Exact match of greedy generations on the module's held-out problems (collective), or nullopt.
   virtual std::optional<std::pair<double, int64_t>> exact_match(const ArgmaxFn& llm) = 0;
+  // Starts from given full tensors (a run's model.safetensors): the module's own names; when none of them
+  // is present (an LLM-only checkpoint) the module keeps its initialization. Local.
+  virtual void load_weights(const std::vector<std::pair<std::string, Tensor>>& full) = 0;
   // The module's full (global) parameter tensors on every rank, and their element count.
   virtual std::vector<std::pair<std::string, Tensor>> full_weights() = 0;
   virtual int64_t count_params() const = 0;
+  // A line on where the module's time went, given the trainer's mean step time (logged at the end).
+  virtual std::string report(double mean_step_seconds) const = 0;
   // Checkpoints: the module's weights and optimizer state after `step` steps, as a checkpoint of its own
   // under `root` (collective), and back (local; the caller agrees on the status).
   virtual void save_checkpoint(const std::string& root, int64_t step) = 0;

@@ -31,6 +31,8 @@ std::vector<SampleScores> score_samples(PipelineEngine& engine, const std::vecto
     const int64_t last = std::max(first, std::min(e, first + batch));  // past the share: pad-only (lockstep)
     std::vector<Sample> group(samples.begin() + std::min(first, last), samples.begin() + last);
     Microbatch mb = pack_samples(group, pad_id, layout);
+    for (int64_t& id : mb.sample_ids)  // indices into `samples` (a multimodal model's rows follow them)
+      if (id >= 0) id += first;
     PipelineEngine::Scores sc = engine.scores(mb, k);
     for (int64_t i = first; i < last; ++i) {
       const int64_t row0 = mb.cu_seqlens.i32()[i - first];

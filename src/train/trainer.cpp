@@ -367,6 +367,7 @@ std::string Trainer::check_nonfinite(double local_loss, double loss, double grad
 
 std::vector<SampleScores> Trainer::score(const std::vector<Sample>& samples, int64_t k) {
   const int64_t per_rank = cfg_.train.global_batch / c_.dp->size();
+  if (companion_) companion_->prepare_scoring(samples);
   return score_samples(*engine_, samples, k, pack_layout_(), tok_.pad_id(), *c_.dp,
                        cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : per_rank, lockstep());
 }

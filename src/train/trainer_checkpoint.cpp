@@ -118,6 +118,7 @@ void Trainer::load_weights(const std::vector<std::pair<std::string, Tensor>>& fu
   for (const auto& [name, t] : full) by_name[name] = &t;
   ParamStore& ps = engine_->params();
   ps.with_host_values([&] { copy_global_slices(ps, by_name, "initial weights"); }, /*write_back=*/true);
+  if (companion_) companion_->load_weights(full);
 }
 
 }  // namespace ndt

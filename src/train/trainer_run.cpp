@@ -224,6 +224,10 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
   // Final weights (gathered over TP, EP and PP) and the loss curve; one writer.
   const std::vector<std::pair<std::string, Tensor>> full = full_weights();
   report_pipeline(logger);
+  if (const int64_t timed = step - std::max<int64_t>(start_step_, 1); companion_ && logger && timed > 0) {
+    const std::string line = companion_->report(step_s_ / static_cast<double>(timed));  // steps > 0
+    if (!line.empty()) std::printf("%s\n", line.c_str());
+  }
   if (logger) {
     const std::filesystem::path dir(tc.out_dir);
     save_safetensors((dir / "model.safetensors").string(), full,
