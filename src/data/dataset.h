@@ -28,6 +28,9 @@ class Dataset {
   // Number of distinct samples; -1 for an unbounded generator (synthetic tasks).
   virtual int64_t size() const = 0;
   virtual Sample get(int64_t index) const = 0;
+  // The same sample without its image (tokens and loss mask): what the language model's microbatches
+  // need. Multimodal datasets skip rendering; others return get(). Pure, so safe from several threads.
+  virtual Sample get_tokens(int64_t index) const { return get(index); }
 };
 
 // Samples of a synthetic task for evaluation: the prompt (fed to generation) and the expected answer.

@@ -120,7 +120,7 @@ int32_t image_token_id(const EncoderConfig& cfg, const Tokenizer& tok) {
 }
 
 ImageCaptionProblem draw_image_caption(const DataConfig& d, const EncoderConfig& e, bool eval_split,
-                                       int64_t index) {
+                                       int64_t index, bool render) {
   const Layout l = layout_of(d, e);
   NDT_CHECK(index >= 0, "negative sample index {}", index);
   static const uint64_t kTrain = stable_hash("image_caption/train"),
@@ -151,6 +151,7 @@ ImageCaptionProblem draw_image_caption(const DataConfig& d, const EncoderConfig&
 
   ImageCaptionProblem p;
   for (const Glyph& g : glyphs) p.caption += static_cast<char>('0' + g.digit);
+  if (!render) return p;
   const int64_t plane = l.size * l.size;
   p.image.assign(static_cast<size_t>(e.channels * plane), 0.0f);
   for (int64_t c = 0; c < e.channels; ++c) {
@@ -171,7 +172,19 @@ ImageCaptionProblem draw_image_caption(const DataConfig& d, const EncoderConfig&
   if (d.image_noise > 0) {
     const uint64_t noise_stream = sample_stream(eval_split ? kEvalNoise : kTrainNoise, index);
     const auto sigma = static_cast<float>(d.image_noise);
-    for (size_t i = 0; i < p.image.size(); ++i) p.image[i] += sigma * philox_normal(seed, noise_stream, i);
+    // Four normals per Philox call (two Box-Muller pairs): pixel i takes normal i % 4 of counter i / 4.
+    constexpr double kTwoPi = 6.283185307179586;
+    for (size_t k = 0; 4 * k < p.image.size(); ++k) {
+      const auto r = philox4x32(seed, noise_stream, k);
+      float z[4];
+      for (int h = 0; h < 2; ++h) {
+        const double u1 = (static_cast<double>(r[2 * h]) + 1.0) / 4294967297.0;  // (0, 1]
+        const double rad = std::sqrt(-2.0 * std::log(u1)), th = kTwoPi * static_cast<double>(r[2 * h + 1]) / 4294967296.0;
+        z[2 * h] = static_cast<float>(rad * std::cos(th));
+        z[2 * h + 1] = static_cast<float>(rad * std::sin(th));
+      }
+      for (size_t j = 0; j < 4 && 4 * k + j < p.image.size(); ++j) p.image[4 * k + j] += sigma * z[j];
+    }
   }
   return p;
 }
@@ -188,8 +201,8 @@ ImageCaptionTask::ImageCaptionTask(const DataConfig& d, const EncoderConfig& e, 
   check_fits(static_cast<int64_t>(prompt_.size()) + caption_tokens + 1, d, e);
 }
 
-Sample ImageCaptionTask::get(int64_t index) const {
-  ImageCaptionProblem p = draw_image_caption(data_, enc_, eval_, index);
+Sample ImageCaptionTask::get_tokens(int64_t index) const {
+  ImageCaptionProblem p = draw_image_caption(data_, enc_, eval_, index, /*render=*/false);
   Sample s;
   s.tokens = prompt_;
   s.loss_mask.assign(s.tokens.size(), 0);
@@ -197,7 +210,12 @@ Sample ImageCaptionTask::get(int64_t index) const {
   s.tokens.push_back(tok_.eos_id());
   s.loss_mask.resize(s.tokens.size(), 1);
   check_fits(static_cast<int64_t>(s.tokens.size()), data_, enc_);
-  s.image = std::move(p.image);
+  return s;
+}
+
+Sample ImageCaptionTask::get(int64_t index) const {
+  Sample s = get_tokens(index);
+  s.image = draw_image_caption(data_, enc_, eval_, index).image;
   return s;
 }
 

@@ -34,9 +34,10 @@ struct ImageCaptionProblem {
 };
 
 // Draws problem `index` of the chosen split for d.seed. Throws (naming the config keys) when the image
-// cannot hold the digits: slot width image_size / caption_digits < 3 or image_size < 5.
+// cannot hold the digits: slot width image_size / caption_digits < 3 or image_size < 5. render = false: the
+// caption only (the image left empty).
 ImageCaptionProblem draw_image_caption(const DataConfig& d, const EncoderConfig& e, bool eval_split,
-                                       int64_t index);
+                                       int64_t index, bool render = true);
 
 class ImageCaptionTask final : public Dataset {
  public:
@@ -46,6 +47,7 @@ class ImageCaptionTask final : public Dataset {
                    bool eval_split = false);
   int64_t size() const override { return -1; }
   Sample get(int64_t index) const override;
+  Sample get_tokens(int64_t index) const override;  // no pixels rendered
 
  private:
   DataConfig data_;

@@ -99,9 +99,8 @@ std::string MimoEncoder::describe() const {
   return fmt::format("encoder tp={} dp={} -> LLM dp={} ({})", map_.enc_tp, map_.enc_dp, map_.llm_dp, kind);
 }
 
-Sample MimoEncoder::sample_at(int64_t step, int64_t j) const {
-  const int64_t gb = cfg_.train.global_batch;
-  return train_.get(sample_index(cfg_.data.seed, step, j, gb, train_.size(), cfg_.data.shuffle));
+int64_t MimoEncoder::index_at(int64_t step, int64_t j) const {
+  return sample_index(cfg_.data.seed, step, j, cfg_.train.global_batch, train_.size(), cfg_.data.shuffle);
 }
 
 int64_t MimoEncoder::first_placeholder(const std::vector<int32_t>& tokens) const {
@@ -140,18 +139,28 @@ void MimoEncoder::begin_step(int64_t step) {
   const EncoderConfig& e = cfg_.encoder;
   const int me = world_.rank();
   const auto [ef, ec] = map_.enc_block(me);
-  std::vector<float> pixels;
-  for (int64_t j = ef; j < ef + ec; ++j) {
-    const Sample s = sample_at(step, j);
-    NDT_CHECK(static_cast<int64_t>(s.image.size()) == e.channels * e.image_size * e.image_size,
-              "sample {} of step {} has {} pixels, expected {} x {} x {}", j, step, s.image.size(), e.channels,
-              e.image_size, e.image_size);
-    pixels.insert(pixels.end(), s.image.begin(), s.image.end());
+  // Rendering images is pure per sample: spread over the host's threads (the GPU waits on it otherwise).
+  const double t_data = now();
+  const int64_t pix = e.channels * e.image_size * e.image_size;
+  std::vector<float> pixels(static_cast<size_t>(ec * pix));
+  std::vector<int64_t> bad(static_cast<size_t>(ec), -1);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < ec; ++i) {
+    const Sample s = train_.get(index_at(step, ef + i));
+    if (static_cast<int64_t>(s.image.size()) != pix) {
+      bad[static_cast<size_t>(i)] = static_cast<int64_t>(s.image.size());
+      continue;
+    }
+    std::copy(s.image.begin(), s.image.end(), pixels.begin() + i * pix);
   }
+  for (int64_t i = 0; i < ec; ++i)
+    NDT_CHECK(bad[static_cast<size_t>(i)] < 0, "sample {} of step {} has {} pixels, expected {} x {} x {}", ef + i,
+              step, bad[static_cast<size_t>(i)], e.channels, e.image_size, e.image_size);
   const auto [lf, lc] = map_.llm_block(me);
   std::vector<int64_t> first;
-  for (int64_t j = lf; j < lf + lc; ++j) first.push_back(first_placeholder(sample_at(step, j).tokens));
+  for (int64_t j = lf; j < lf + lc; ++j) first.push_back(first_placeholder(train_.get_tokens(index_at(step, j)).tokens));
   ++times_.steps;
+  if (times_.steps > 0) times_.data += now() - t_data;
   store_.zero_grad();
   if (early_reduce_) opt_->reduce_grads();  // (test fault) reduces zeros: the gradients do not exist yet
   acts_ = EncoderActs();
@@ -218,9 +227,9 @@ std::string MimoEncoder::report(double mean_step_seconds) const {
   auto part = [&](const char* name, double total) {
     return fmt::format("{} {:.2f} ms ({:.1f}%)", name, 1e3 * total / n, 100.0 * total / n / step);
   };
-  return fmt::format("multimodal phases per step ({} steps, step {:.2f} ms{}): {}, {}, {}, {}; bridge total {:.2f}%",
+  return fmt::format("multimodal phases per step ({} steps, step {:.2f} ms{}): {}, {}, {}, {}, {}; bridge total {:.2f}%",
                      times_.steps, 1e3 * step, sync_timing_ || store_.device() == Device::CPU ? "" : ", unsynchronized",
-                     part("encoder fwd", times_.enc_fwd), part("bridge fwd", times_.bridge_fwd),
+                     part("images (host)", times_.data), part("encoder fwd", times_.enc_fwd), part("bridge fwd", times_.bridge_fwd),
                      part("bridge bwd", times_.bridge_bwd), part("encoder bwd", times_.enc_bwd),
                      100.0 * (times_.bridge_fwd + times_.bridge_bwd) / n / step);
 }

@@ -74,7 +74,7 @@ class MimoEncoder final : public StepCompanion, private EmbedHooks {
   // Encodes `images` (this rank's encoder shard) and bridges them into the table of this rank's LLM shard,
   // whose samples have their first placeholder at first_pos.
   void fill_table(const Bridge& bridge, const Tensor& images, EncoderActs& acts, std::vector<int64_t> first_pos);
-  Sample sample_at(int64_t step, int64_t j) const;
+  int64_t index_at(int64_t step, int64_t j) const;  // dataset index of global batch position j
   int64_t first_placeholder(const std::vector<int32_t>& tokens) const;
 
   Config cfg_;
@@ -102,7 +102,7 @@ class MimoEncoder final : public StepCompanion, private EmbedHooks {
   // Time per phase piece, summed over steps after the first (NDT_MIMO_TIMING=1 on a GPU synchronizes at
   // each boundary so that the pieces are exact; on the CPU they always are).
   struct Times {
-    double enc_fwd = 0, bridge_fwd = 0, bridge_bwd = 0, enc_bwd = 0;
+    double data = 0, enc_fwd = 0, bridge_fwd = 0, bridge_bwd = 0, enc_bwd = 0;
     int64_t steps = -1;
   } times_;
   bool sync_timing_ = false;

@@ -122,8 +122,8 @@ std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
   std::vector<Sample> samples;
   for (int64_t i = 0; i < per_rank; ++i) {
     const int64_t j = c_.dp->rank() * per_rank + i;  // position in the global batch
-    samples.push_back(
-        train_.get(sample_index(cfg_.data.seed, step, j, gb, train_.size(), cfg_.data.shuffle)));
+    samples.push_back(  // (the model's microbatches take tokens; a second module fetches its own inputs)
+        train_.get_tokens(sample_index(cfg_.data.seed, step, j, gb, train_.size(), cfg_.data.shuffle)));
   }
   return microbatches(samples);
 }
