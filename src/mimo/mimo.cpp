@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <future>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
@@ -135,12 +136,10 @@ void MimoEncoder::fill_table(const Bridge& bridge, const Tensor& images, Encoder
   dtable_ = Tensor::zeros(table_.shape(), table_.dtype(), table_.device());
 }
 
-void MimoEncoder::begin_step(int64_t step) {
+std::vector<float> MimoEncoder::render(int64_t step) const {
   const EncoderConfig& e = cfg_.encoder;
-  const int me = world_.rank();
-  const auto [ef, ec] = map_.enc_block(me);
-  // Rendering images is pure per sample: spread over the host's threads (the GPU waits on it otherwise).
-  const double t_data = now();
+  const auto [ef, ec] = map_.enc_block(world_.rank());
+  // Rendering images is pure per sample: spread over the host's threads.
   const int64_t pix = e.channels * e.image_size * e.image_size;
   std::vector<float> pixels(static_cast<size_t>(ec * pix));
   std::vector<int64_t> bad(static_cast<size_t>(ec), -1);
@@ -156,6 +155,16 @@ void MimoEncoder::begin_step(int64_t step) {
   for (int64_t i = 0; i < ec; ++i)
     NDT_CHECK(bad[static_cast<size_t>(i)] < 0, "sample {} of step {} has {} pixels, expected {} x {} x {}", ef + i,
               step, bad[static_cast<size_t>(i)], e.channels, e.image_size, e.image_size);
+  return pixels;
+}
+
+void MimoEncoder::begin_step(int64_t step) {
+  const EncoderConfig& e = cfg_.encoder;
+  const int me = world_.rank();
+  const auto [ef, ec] = map_.enc_block(me);
+  const double t_data = now();
+  std::vector<float> pixels = prefetch_step_ == step ? prefetch_.get() : render(step);
+  prefetch_step_ = -1;
   const auto [lf, lc] = map_.llm_block(me);
   std::vector<int64_t> first;
   for (int64_t j = lf; j < lf + lc; ++j) first.push_back(first_placeholder(train_.get_tokens(index_at(step, j)).tokens));
@@ -166,6 +175,12 @@ void MimoEncoder::begin_step(int64_t step) {
   acts_ = EncoderActs();
   fill_table(*bridge_, Tensor::from_vector(pixels, {ec, e.channels, e.image_size, e.image_size}), acts_,
              std::move(first));
+  // On a GPU the host would otherwise render the next step's images while the device waits: render them now,
+  // under this step's device work (a rank's next step is step + 1 unless a run ends or resumes).
+  if (store_.device() != Device::CPU) {
+    prefetch_step_ = step + 1;
+    prefetch_ = std::async(std::launch::async, [this, next = step + 1] { return render(next); });
+  }
 }
 
 void MimoEncoder::placeholder_rows(const Microbatch& mb, int64_t tok0, int64_t Tl, std::vector<int64_t>& x_rows,

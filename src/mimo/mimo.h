@@ -15,6 +15,7 @@
 //
 // The loss normaliser is the trainer's: the loss-bearing tokens of the whole global batch, which every rank
 // counts from the same full microbatches, so the encoder's gradient carries the same 1/N on every rank.
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -74,7 +75,8 @@ class MimoEncoder final : public StepCompanion, private EmbedHooks {
   // Encodes `images` (this rank's encoder shard) and bridges them into the table of this rank's LLM shard,
   // whose samples have their first placeholder at first_pos.
   void fill_table(const Bridge& bridge, const Tensor& images, EncoderActs& acts, std::vector<int64_t> first_pos);
-  int64_t index_at(int64_t step, int64_t j) const;  // dataset index of global batch position j
+  int64_t index_at(int64_t step, int64_t j) const;
+  std::vector<float> render(int64_t step) const;  // this rank's encoder shard of step `step`, (Be, ch, H, W)  // dataset index of global batch position j
   int64_t first_placeholder(const std::vector<int32_t>& tokens) const;
 
   Config cfg_;
@@ -106,6 +108,8 @@ class MimoEncoder final : public StepCompanion, private EmbedHooks {
     int64_t steps = -1;
   } times_;
   bool sync_timing_ = false;
+  std::future<std::vector<float>> prefetch_;  // the next step's images (GPU runs), rendered during this step
+  int64_t prefetch_step_ = -1;
   double now() const;
 };
 

@@ -224,8 +224,12 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
   // Final weights (gathered over TP, EP and PP) and the loss curve; one writer.
   const std::vector<std::pair<std::string, Tensor>> full = full_weights();
   report_pipeline(logger);
-  if (const int64_t timed = step - std::max<int64_t>(start_step_, 1); companion_ && logger && timed > 0) {
-    const std::string line = companion_->report(step_s_ / static_cast<double>(timed));  // steps > 0
+  if (companion_ && logger) {  // against whole steps (reductions and optimizer included), step 0 left out
+    double total = 0;
+    int64_t timed = 0;
+    for (const StepStats& h : history_)
+      if (h.step > 0) total += h.seconds, ++timed;
+    const std::string line = timed > 0 ? companion_->report(total / static_cast<double>(timed)) : "";
     if (!line.empty()) std::printf("%s\n", line.c_str());
   }
   if (logger) {
