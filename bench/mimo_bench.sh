@@ -29,7 +29,7 @@ run() {  # name ranks timing sets...
     return
   fi
   NDT_MIMO_TIMING=$timing $MPIRUN -np "$np" "$NDTRAIN" train -c "$REPO/configs/mimo-1b.yaml" --set \
-    train.steps="$STEPS" train.out_dir="$OUT/$name" ${SETS:-} "$@" > "$OUT/$name.log" 2>&1
+    train.device=cuda train.steps="$STEPS" train.out_dir="$OUT/$name" ${SETS:-} "$@" > "$OUT/$name.log" 2>&1
   echo "== $name ($np GPU(s), timing sync $timing)" | tee -a "$OUT/summary.txt"
   grep -E "parameters|multimodal|step +$((STEPS - 1))/|mem|error" "$OUT/$name.log" | tail -5 | tee -a "$OUT/summary.txt"
 }

@@ -14,8 +14,9 @@ namespace ndt {
 namespace {
 
 Config tiny_mimo() {
-  auto cfg = load_config(std::string(NDT_SOURCE_DIR) + "/configs/tiny-mimo.yaml",
-                         {"train.grad_clip=0", "train.weight_decay=0", "train.steps=1", "train.warmup_steps=0"});
+  auto cfg =
+      load_config(std::string(NDT_SOURCE_DIR) + "/configs/tiny-mimo.yaml",
+                  {"train.grad_clip=0", "train.weight_decay=0", "train.steps=1", "train.warmup_steps=0"});
   EXPECT_TRUE(cfg) << cfg.status().message();
   return cfg.value();
 }
@@ -48,7 +49,8 @@ TEST(Mimo, EncoderGradientIsTheLossDerivative) {
   for (const char* name : names) {
     const Param& w = p.enc->params().get(name);
     double gmax = 0;
-    for (int64_t i = 0; i < w.numel(); ++i) gmax = std::max(gmax, std::abs(static_cast<double>(w.grad.f32()[i])));
+    for (int64_t i = 0; i < w.numel(); ++i)
+      gmax = std::max(gmax, std::abs(static_cast<double>(w.grad.f32()[i])));
     ASSERT_GT(gmax, 0) << name << " has no gradient";
     for (int64_t i : {int64_t{0}, w.numel() / 3, w.numel() - 1}) {
       const float eps = 1e-2f;

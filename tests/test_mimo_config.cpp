@@ -22,7 +22,7 @@ void expect_error(const std::vector<std::string>& sets, const std::string& needl
 TEST(MimoConfig, AcceptsColocatedLayouts) {
   EXPECT_TRUE(parse({}));
   EXPECT_TRUE(parse({"parallel.dp=2", "parallel.tp=2", "encoder.parallel.tp=1"}));  // enc dp4 -> LLM dp2
-  EXPECT_TRUE(parse({"parallel.dp=4", "encoder.parallel.tp=2"}));                    // enc dp2 -> LLM dp4
+  EXPECT_TRUE(parse({"parallel.dp=4", "encoder.parallel.tp=2"}));                   // enc dp2 -> LLM dp4
   EXPECT_TRUE(parse({"parallel.pp=2", "parallel.cp=2", "encoder.parallel.dp=4"}));
 }
 
@@ -40,7 +40,8 @@ TEST(MimoConfig, RejectsBadEncoderLayouts) {
 }
 
 TEST(MimoConfig, RejectsBadShapes) {
-  expect_error({"encoder.image_size=10"}, "encoder.image_size (10) must be divisible by encoder.patch_size (4)");
+  expect_error({"encoder.image_size=10"},
+               "encoder.image_size (10) must be divisible by encoder.patch_size (4)");
   expect_error({"data.caption_digits=4"}, "captions longer than the context");
   expect_error({"encoder.image_size=0"}, "data.task image_caption needs an image encoder");
   expect_error({"encoder.d_model=30"}, "encoder.d_model (30) must be divisible by encoder.n_heads (4)");

@@ -2,8 +2,8 @@
 
 #include "apps/commands.h"
 #include "apps/setup.h"
-#include "parallel/layout.h"
 #include "mimo/mimo.h"
+#include "parallel/layout.h"
 #include "posttrain/run.h"
 #include "train/hf_interop.h"
 #include "train/safetensors.h"

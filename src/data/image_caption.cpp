@@ -179,7 +179,8 @@ ImageCaptionProblem draw_image_caption(const DataConfig& d, const EncoderConfig&
       float z[4];
       for (int h = 0; h < 2; ++h) {
         const double u1 = (static_cast<double>(r[2 * h]) + 1.0) / 4294967297.0;  // (0, 1]
-        const double rad = std::sqrt(-2.0 * std::log(u1)), th = kTwoPi * static_cast<double>(r[2 * h + 1]) / 4294967296.0;
+        const double rad = std::sqrt(-2.0 * std::log(u1)),
+                     th = kTwoPi * static_cast<double>(r[2 * h + 1]) / 4294967296.0;
         z[2 * h] = static_cast<float>(rad * std::cos(th));
         z[2 * h + 1] = static_cast<float>(rad * std::sin(th));
       }

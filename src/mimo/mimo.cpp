@@ -2,11 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <future>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <numeric>
 
@@ -15,8 +15,8 @@
 #include "ops/ops.h"
 #include "parallel/layout.h"
 #include "parallel/tp/gather_params.h"
-#include "train/trainer.h"
 #include "train/checkpoint.h"
+#include "train/trainer.h"
 
 #ifdef NDT_HAVE_CUDA
 #include "cuda/runtime.h"
@@ -96,7 +96,8 @@ MimoEncoder::MimoEncoder(const Config& cfg, Communicator& world, Communicator& l
 }
 
 std::string MimoEncoder::describe() const {
-  const char* kind = map_.enc_dp == map_.llm_dp ? "equal" : (map_.enc_dp > map_.llm_dp ? "fan-in" : "fan-out");
+  const char* kind =
+      map_.enc_dp == map_.llm_dp ? "equal" : (map_.enc_dp > map_.llm_dp ? "fan-in" : "fan-out");
   return fmt::format("encoder tp={} dp={} -> LLM dp={} ({})", map_.enc_tp, map_.enc_dp, map_.llm_dp, kind);
 }
 
@@ -109,7 +110,8 @@ int64_t MimoEncoder::first_placeholder(const std::vector<int32_t>& tokens) const
   NDT_CHECK(it != tokens.end(), "a multimodal sample has no image placeholder token ({})", image_token_);
   const int64_t first = it - tokens.begin();
   for (int64_t k = 0; k < patches_; ++k)
-    NDT_CHECK(first + k < static_cast<int64_t>(tokens.size()) && tokens[static_cast<size_t>(first + k)] == image_token_,
+    NDT_CHECK(first + k < static_cast<int64_t>(tokens.size()) &&
+                  tokens[static_cast<size_t>(first + k)] == image_token_,
               "a sample's image placeholders must be one run of {} tokens", patches_);
   return first;
 }
@@ -153,8 +155,8 @@ std::vector<float> MimoEncoder::render(int64_t step) const {
     std::copy(s.image.begin(), s.image.end(), pixels.begin() + i * pix);
   }
   for (int64_t i = 0; i < ec; ++i)
-    NDT_CHECK(bad[static_cast<size_t>(i)] < 0, "sample {} of step {} has {} pixels, expected {} x {} x {}", ef + i,
-              step, bad[static_cast<size_t>(i)], e.channels, e.image_size, e.image_size);
+    NDT_CHECK(bad[static_cast<size_t>(i)] < 0, "sample {} of step {} has {} pixels, expected {} x {} x {}",
+              ef + i, step, bad[static_cast<size_t>(i)], e.channels, e.image_size, e.image_size);
   return pixels;
 }
 
@@ -167,7 +169,8 @@ void MimoEncoder::begin_step(int64_t step) {
   prefetch_step_ = -1;
   const auto [lf, lc] = map_.llm_block(me);
   std::vector<int64_t> first;
-  for (int64_t j = lf; j < lf + lc; ++j) first.push_back(first_placeholder(train_.get_tokens(index_at(step, j)).tokens));
+  for (int64_t j = lf; j < lf + lc; ++j)
+    first.push_back(first_placeholder(train_.get_tokens(index_at(step, j)).tokens));
   ++times_.steps;
   if (times_.steps > 0) times_.data += now() - t_data;
   store_.zero_grad();
@@ -183,14 +186,15 @@ void MimoEncoder::begin_step(int64_t step) {
   }
 }
 
-void MimoEncoder::placeholder_rows(const Microbatch& mb, int64_t tok0, int64_t Tl, std::vector<int64_t>& x_rows,
-                                   std::vector<int64_t>& table_rows) const {
+void MimoEncoder::placeholder_rows(const Microbatch& mb, int64_t tok0, int64_t Tl,
+                                   std::vector<int64_t>& x_rows, std::vector<int64_t>& table_rows) const {
   const int32_t* cu = mb.cu_seqlens.i32();
   const int32_t* tok = mb.tokens.i32();
   const int32_t* pos = mb.positions.i32();
   const int64_t n = static_cast<int64_t>(first_pos_.size());
   for (int64_t s = 0; s < mb.nseq; ++s) {
-    const int64_t id = s < static_cast<int64_t>(mb.sample_ids.size()) ? mb.sample_ids[static_cast<size_t>(s)] : -1;
+    const int64_t id =
+        s < static_cast<int64_t>(mb.sample_ids.size()) ? mb.sample_ids[static_cast<size_t>(s)] : -1;
     if (id < 0) continue;  // a pad-only sequence
     NDT_CHECK(id < n, "microbatch sample {} is outside the {} samples with images", id, n);
     const int64_t b = std::max<int64_t>(cu[s], tok0), e = std::min<int64_t>(cu[s + 1], tok0 + Tl);
@@ -210,7 +214,8 @@ void MimoEncoder::inject(const Microbatch& mb, int64_t tok0, Tensor& x) {
   placeholder_rows(mb, tok0, x.size(0), rows, src);
   if (rows.empty()) return;
   const std::vector<int32_t> r32(rows.begin(), rows.end());
-  ops::scatter_rows(x, Tensor::from_vector(r32, {static_cast<int64_t>(r32.size())}), ops::gather_rows(table_, src));
+  ops::scatter_rows(x, Tensor::from_vector(r32, {static_cast<int64_t>(r32.size())}),
+                    ops::gather_rows(table_, src));
 }
 
 void MimoEncoder::take_grad(const Microbatch& mb, int64_t tok0, Tensor& dx) {
@@ -220,7 +225,8 @@ void MimoEncoder::take_grad(const Microbatch& mb, int64_t tok0, Tensor& dx) {
   ops::scatter_add_rows(dtable_, ops::gather_rows(dx, rows), dst);
   const std::vector<int32_t> r32(rows.begin(), rows.end());
   const int64_t n = static_cast<int64_t>(r32.size());
-  ops::scatter_rows(dx, Tensor::from_vector(r32, {n}), Tensor::zeros({n, dx.size(1)}, dx.dtype(), dx.device()));
+  ops::scatter_rows(dx, Tensor::from_vector(r32, {n}),
+                    Tensor::zeros({n, dx.size(1)}, dx.dtype(), dx.device()));
 }
 
 void MimoEncoder::finish_backward() {
@@ -242,11 +248,12 @@ std::string MimoEncoder::report(double mean_step_seconds) const {
   auto part = [&](const char* name, double total) {
     return fmt::format("{} {:.2f} ms ({:.1f}%)", name, 1e3 * total / n, 100.0 * total / n / step);
   };
-  return fmt::format("multimodal phases per step ({} steps, step {:.2f} ms{}): {}, {}, {}, {}, {}; bridge total {:.2f}%",
-                     times_.steps, 1e3 * step, sync_timing_ || store_.device() == Device::CPU ? "" : ", unsynchronized",
-                     part("images (host)", times_.data), part("encoder fwd", times_.enc_fwd), part("bridge fwd", times_.bridge_fwd),
-                     part("bridge bwd", times_.bridge_bwd), part("encoder bwd", times_.enc_bwd),
-                     100.0 * (times_.bridge_fwd + times_.bridge_bwd) / n / step);
+  return fmt::format(
+      "multimodal phases per step ({} steps, step {:.2f} ms{}): {}, {}, {}, {}, {}; bridge total {:.2f}%",
+      times_.steps, 1e3 * step, sync_timing_ || store_.device() == Device::CPU ? "" : ", unsynchronized",
+      part("images (host)", times_.data), part("encoder fwd", times_.enc_fwd),
+      part("bridge fwd", times_.bridge_fwd), part("bridge bwd", times_.bridge_bwd),
+      part("encoder bwd", times_.enc_bwd), 100.0 * (times_.bridge_fwd + times_.bridge_bwd) / n / step);
 }
 
 double MimoEncoder::reduce_grads() {
@@ -293,7 +300,8 @@ void MimoEncoder::prepare_scoring(const std::vector<Sample>& samples) {
     pixels.insert(pixels.end(), img.begin(), img.end());
   }
   std::vector<int64_t> first;
-  for (int64_t j = 0; j < P; ++j) first.push_back(first_placeholder(samples[static_cast<size_t>(j % n)].tokens));
+  for (int64_t j = 0; j < P; ++j)
+    first.push_back(first_placeholder(samples[static_cast<size_t>(j % n)].tokens));
   EncoderActs acts;
   fill_table(bridge, Tensor::from_vector(pixels, {ec, e.channels, e.image_size, e.image_size}), acts,
              std::move(first));
@@ -332,7 +340,8 @@ std::optional<std::pair<double, int64_t>> MimoEncoder::exact_match(const ArgmaxF
                                    layout, cfg_.parallel.ep > 1 ? &llm_dp_ : nullptr);
   int64_t correct = 0;
   for (int64_t i = 0; i < lc; ++i)
-    if (lf + i < n) correct += tok_.decode(gen[static_cast<size_t>(i)]) == problems[static_cast<size_t>(lf + i)].answer;
+    if (lf + i < n)
+      correct += tok_.decode(gen[static_cast<size_t>(i)]) == problems[static_cast<size_t>(lf + i)].answer;
   llm_dp_.all_reduce(&correct, 1, DType::I64, ReduceOp::Sum);
   table_ = Tensor();
   dtable_ = Tensor();
@@ -382,11 +391,13 @@ void MimoEncoder::save_checkpoint(const std::string& root, int64_t step) {
 Status MimoEncoder::load_checkpoint(const std::string& root, int64_t step) {
   const std::string dir = (std::filesystem::path(root) / checkpoint_step_name(step)).string();
   auto meta = read_checkpoint_meta(dir);
-  if (!meta) return Status::error(fmt::format("encoder checkpoint for step {}: {}", step, meta.status().message()));
+  if (!meta)
+    return Status::error(fmt::format("encoder checkpoint for step {}: {}", step, meta.status().message()));
   const int64_t n = store_.flat_values().numel();
   Tensor full_m = Tensor::zeros({n}), full_v = Tensor::zeros({n});
   Status st;
-  store_.with_host_values([&] { st = ndt::load_checkpoint(dir, store_, &full_m, &full_v); }, /*write_back=*/true);
+  store_.with_host_values([&] { st = ndt::load_checkpoint(dir, store_, &full_m, &full_v); },
+                          /*write_back=*/true);
   if (!st) return st;
   opt_->scatter_moments(full_m, full_v);
   opt_->set_steps_taken(meta.value().optimizer_steps);
@@ -397,8 +408,8 @@ std::unique_ptr<MimoEncoder> attach_encoder(Trainer& trainer, Communicator& worl
                                             const Tokenizer& tok, const Dataset& train) {
   const Config& cfg = trainer.config();
   if (!cfg.encoder.enabled()) return nullptr;
-  auto enc = std::make_unique<MimoEncoder>(cfg, world, *trainer.comms().dp, layout ? &layout->bridge_group() : nullptr,
-                                           tok, train);
+  auto enc = std::make_unique<MimoEncoder>(cfg, world, *trainer.comms().dp,
+                                           layout ? &layout->bridge_group() : nullptr, tok, train);
   trainer.set_companion(enc.get());
   return enc;
 }

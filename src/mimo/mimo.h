@@ -74,9 +74,11 @@ class MimoEncoder final : public StepCompanion, private EmbedHooks {
                         std::vector<int64_t>& table_rows) const;
   // Encodes `images` (this rank's encoder shard) and bridges them into the table of this rank's LLM shard,
   // whose samples have their first placeholder at first_pos.
-  void fill_table(const Bridge& bridge, const Tensor& images, EncoderActs& acts, std::vector<int64_t> first_pos);
+  void fill_table(const Bridge& bridge, const Tensor& images, EncoderActs& acts,
+                  std::vector<int64_t> first_pos);
   int64_t index_at(int64_t step, int64_t j) const;
-  std::vector<float> render(int64_t step) const;  // this rank's encoder shard of step `step`, (Be, ch, H, W)  // dataset index of global batch position j
+  std::vector<float> render(int64_t step) const;  // this rank's encoder shard of step `step`, (Be, ch, H, W)
+                                                  // // dataset index of global batch position j
   int64_t first_placeholder(const std::vector<int32_t>& tokens) const;
 
   Config cfg_;

@@ -668,8 +668,9 @@ static Status validate_encoder(const Config& c) {
     return errf("train.global_batch ({}) must be divisible by encoder.parallel.dp ({})", c.train.global_batch,
                 edp);
   if (c.train.device == "cuda" && e.d_model / e.n_heads != 64 && e.d_model / e.n_heads != 128)
-    return errf("train.device cuda needs an encoder head dim of 64 or 128, got encoder.d_model / n_heads = {}",
-                e.d_model / e.n_heads);
+    return errf(
+        "train.device cuda needs an encoder head dim of 64 or 128, got encoder.d_model / n_heads = {}",
+        e.d_model / e.n_heads);
   // image_caption samples: BOS, the placeholders, '=', the caption's digits and EOS (inputs: all but EOS).
   if (c.data.task == "image_caption" && e.patches() + c.data.caption_digits + 2 > c.data.seq_len)
     return errf(

@@ -14,7 +14,9 @@ std::string checkpoint_root(const TrainConfig& tc) {
                                    : tc.checkpoint_dir;
 }
 // A second module's checkpoints (the multimodal encoder) live beside the LLM's step directories.
-std::string companion_root(const std::string& root) { return (std::filesystem::path(root) / "encoder").string(); }
+std::string companion_root(const std::string& root) {
+  return (std::filesystem::path(root) / "encoder").string();
+}
 }  // namespace
 
 void Trainer::save_checkpoint(int64_t steps_done) {

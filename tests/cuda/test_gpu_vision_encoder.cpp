@@ -66,14 +66,17 @@ TEST(GpuVisionEncoder, MatchesCpu) {
     const EncRun cpu = run(style, Device::CPU, DType::F32, images, dout);
     const EncRun gpu = run(style, Device::CUDA, DType::F32, images, dout);
     const double s = max_abs(cpu.out);
-    for (size_t i = 0; i < cpu.out.size(); ++i) ASSERT_NEAR(gpu.out[i], cpu.out[i], 1e-4 * s) << style << " out " << i;
+    for (size_t i = 0; i < cpu.out.size(); ++i)
+      ASSERT_NEAR(gpu.out[i], cpu.out[i], 1e-4 * s) << style << " out " << i;
     for (const auto& [name, cg] : cpu.grads) {
       const auto& gg = gpu.grads.at(name);
       const double gs = std::max(max_abs(cg), 1e-12);
-      for (size_t i = 0; i < cg.size(); ++i) ASSERT_NEAR(gg[i], cg[i], 1e-4 * gs) << style << " " << name << " " << i;
+      for (size_t i = 0; i < cg.size(); ++i)
+        ASSERT_NEAR(gg[i], cg[i], 1e-4 * gs) << style << " " << name << " " << i;
     }
     const EncRun bf = run(style, Device::CUDA, DType::BF16, images, dout);
-    for (size_t i = 0; i < cpu.out.size(); ++i) ASSERT_NEAR(bf.out[i], cpu.out[i], 3e-2 * s) << style << " bf16 out " << i;
+    for (size_t i = 0; i < cpu.out.size(); ++i)
+      ASSERT_NEAR(bf.out[i], cpu.out[i], 3e-2 * s) << style << " bf16 out " << i;
   }
 }
 

@@ -11,7 +11,9 @@ namespace {
 
 constexpr int64_t kRows = 3, kC = 2, kBatch = 8;
 
-float value_of(int64_t sample, int64_t row, int64_t c) { return static_cast<float>(sample * 100 + row * 10 + c); }
+float value_of(int64_t sample, int64_t row, int64_t c) {
+  return static_cast<float>(sample * 100 + row * 10 + c);
+}
 
 BridgeMap map_for(Communicator& w, int64_t etp, int64_t edp, int64_t ldp) {
   BridgeMap m;
@@ -79,7 +81,8 @@ TEST(MpiBridge, ReplicaPartialsAreSummed) {
   Tensor gt = Tensor::from_vector(g, {lc * kRows, kC});
   const Tensor back = bridge.backward(gt, kRows);
   for (int64_t j = ef; j < ef + ec; ++j)
-    for (int64_t i = 0; i < kRows * kC; ++i) ASSERT_EQ(back.f32()[(j - ef) * kRows * kC + i], static_cast<float>(j) + 0.5f);
+    for (int64_t i = 0; i < kRows * kC; ++i)
+      ASSERT_EQ(back.f32()[(j - ef) * kRows * kC + i], static_cast<float>(j) + 0.5f);
   // Without the sum each encoder rank would get half its gradient.
   Tensor gt2 = Tensor::from_vector(g, {lc * kRows, kC});
   const Tensor half = bridge.backward_unreduced(gt2, kRows);

@@ -23,15 +23,16 @@ Status BridgeMap::validate() const {
   if (enc_tp_of.size() != w || llm_dp_of.size() != w)
     return Status::error("bridge: the per-rank coordinate lists differ in length");
   if (enc_dp < 1 || llm_dp < 1 || enc_tp < 1 || batch % enc_dp != 0 || batch % llm_dp != 0)
-    return Status::error(fmt::format("bridge: a batch of {} samples must divide into encoder dp={} and LLM dp={}",
-                                     batch, enc_dp, llm_dp));
+    return Status::error(fmt::format(
+        "bridge: a batch of {} samples must divide into encoder dp={} and LLM dp={}", batch, enc_dp, llm_dp));
   if (enc_dp % llm_dp != 0 && llm_dp % enc_dp != 0)
     return Status::error(fmt::format(
         "bridge: encoder dp={} and LLM dp={} must divide one another (fan-in or fan-out)", enc_dp, llm_dp));
   if (static_cast<int64_t>(w) != enc_dp * enc_tp)
-    return Status::error(fmt::format("bridge: the encoder layout dp={} tp={} does not cover the {} ranks",
-                                     enc_dp, enc_tp, w));
-  std::vector<int> enc_seen(static_cast<size_t>(enc_dp * enc_tp), 0), llm_seen(static_cast<size_t>(llm_dp), 0);
+    return Status::error(
+        fmt::format("bridge: the encoder layout dp={} tp={} does not cover the {} ranks", enc_dp, enc_tp, w));
+  std::vector<int> enc_seen(static_cast<size_t>(enc_dp * enc_tp), 0),
+      llm_seen(static_cast<size_t>(llm_dp), 0);
   for (size_t r = 0; r < w; ++r) {
     const int64_t e = enc_dp_of[r], t = enc_tp_of[r], d = llm_dp_of[r];
     if (e < 0 || e >= enc_dp || t < 0 || t >= enc_tp || d < 0 || d >= llm_dp)
@@ -40,7 +41,8 @@ Status BridgeMap::validate() const {
     ++llm_seen[static_cast<size_t>(d)];
   }
   for (int c : enc_seen)
-    if (c != 1) return Status::error("bridge: every encoder (dp, tp) coordinate must belong to exactly one rank");
+    if (c != 1)
+      return Status::error("bridge: every encoder (dp, tp) coordinate must belong to exactly one rank");
   for (int c : llm_seen)
     if (c == 0) return Status::error("bridge: an LLM data-parallel rank has no world rank");
   return Status::ok();
@@ -52,7 +54,8 @@ namespace {
 // holders (ascending world ranks), chosen by the destination so that the load spreads over them.
 struct Holders {
   std::vector<std::vector<int>> enc, llm;  // by encoder DP / LLM DP coordinate
-  explicit Holders(const BridgeMap& m) : enc(static_cast<size_t>(m.enc_dp)), llm(static_cast<size_t>(m.llm_dp)) {
+  explicit Holders(const BridgeMap& m)
+      : enc(static_cast<size_t>(m.enc_dp)), llm(static_cast<size_t>(m.llm_dp)) {
     for (int r = 0; r < m.world(); ++r) {
       enc[static_cast<size_t>(m.enc_dp_of[static_cast<size_t>(r)])].push_back(r);
       llm[static_cast<size_t>(m.llm_dp_of[static_cast<size_t>(r)])].push_back(r);
@@ -79,7 +82,9 @@ BridgeRoute route(const BridgeMap& m, int rank, bool forward) {
   r.send.resize(static_cast<size_t>(m.world()));
   r.recv.resize(static_cast<size_t>(m.world()));
   auto need = [&](int q) { return forward ? m.llm_block(q) : m.enc_block(q); };
-  auto source = [&](int dst, int64_t j) { return forward ? source_forward(m, h, dst, j) : source_backward(m, h, dst, j); };
+  auto source = [&](int dst, int64_t j) {
+    return forward ? source_forward(m, h, dst, j) : source_backward(m, h, dst, j);
+  };
   for (int q = 0; q < m.world(); ++q) {
     const auto [first, count] = need(q);
     for (int64_t j = first; j < first + count; ++j) {
@@ -165,8 +170,8 @@ Tensor Bridge::forward(const Tensor& enc, int64_t rows) const {
   const int me = world_.rank();
   const auto [ef, ec] = map_.enc_block(me);
   const auto [lf, lc] = map_.llm_block(me);
-  NDT_CHECK(enc.dim() == 2 && enc.size(0) == ec * rows, "bridge forward: expected ({} x {}, C) rows, got {}", ec,
-            rows, shape_str(enc.shape()));
+  NDT_CHECK(enc.dim() == 2 && enc.size(0) == ec * rows, "bridge forward: expected ({} x {}, C) rows, got {}",
+            ec, rows, shape_str(enc.shape()));
   return exchange(fwd_, enc, ef, lf, lc, rows, fwd_local_);
 }
 
@@ -174,8 +179,8 @@ Tensor Bridge::backward_unreduced(const Tensor& dllm, int64_t rows) const {
   const int me = world_.rank();
   const auto [ef, ec] = map_.enc_block(me);
   const auto [lf, lc] = map_.llm_block(me);
-  NDT_CHECK(dllm.dim() == 2 && dllm.size(0) == lc * rows, "bridge backward: expected ({} x {}, C) rows, got {}",
-            lc, rows, shape_str(dllm.shape()));
+  NDT_CHECK(dllm.dim() == 2 && dllm.size(0) == lc * rows,
+            "bridge backward: expected ({} x {}, C) rows, got {}", lc, rows, shape_str(dllm.shape()));
   return exchange(bwd_, dllm, lf, ef, ec, rows, bwd_local_);
 }
 
