@@ -11,6 +11,22 @@
 
 namespace ndt::testing {
 
+// A tiny vision encoder (2 layers, 2 heads, 4x4 patches). projector_hidden differs from both widths it
+// connects, so a transposed shape cannot pass. GPU tests ask for d_model 128 (head dim 64).
+inline EncoderConfig tiny_encoder(const std::string& style, int64_t d_model = 16, int64_t image_size = 8,
+                                  int64_t channels = 2, int64_t projector_hidden = 24) {
+  EncoderConfig e;
+  e.image_size = image_size;
+  e.patch_size = 4;
+  e.channels = channels;
+  e.style = style;
+  e.d_model = d_model;
+  e.n_layers = 2;
+  e.n_heads = 2;
+  e.projector_hidden = projector_hidden;
+  return e;
+}
+
 inline ModelConfig tiny_model(const std::string& style) {
   ModelConfig m;
   m.style = style;

@@ -6,23 +6,12 @@
 #include <map>
 #include <random>
 
+#include "../tiny_model.h"
 #include "gpu_test.h"
 #include "model/vision_encoder.h"
 
 namespace ndt {
 namespace {
-
-EncoderConfig enc_cfg(const std::string& style) {
-  EncoderConfig e;
-  e.image_size = 16;
-  e.patch_size = 4;
-  e.channels = 3;
-  e.style = style;
-  e.d_model = 128;
-  e.n_layers = 2;
-  e.n_heads = 2;
-  return e;
-}
 
 double max_abs(const std::vector<float>& v) {
   double m = 0;
@@ -37,7 +26,7 @@ struct EncRun {
 
 EncRun run(const std::string& style, Device dev, DType dt, const Tensor& images, const Tensor& dout) {
   ParamStore store;
-  VisionEncoder enc(enc_cfg(style), 96, 1e-5, 0.02, nullptr, store);
+  VisionEncoder enc(testing::tiny_encoder(style, 128, 16, 3, 0), 96, 1e-5, 0.02, nullptr, store);
   store.flatten();
   store.init(7);
   if (dev == Device::CUDA) store.to_device(Device::CUDA, dt);

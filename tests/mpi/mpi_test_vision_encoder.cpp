@@ -12,24 +12,14 @@
 #include "dist/communicator.h"
 #include "model/vision_encoder.h"
 #include "parallel/tp/comm_tp_hooks.h"
+#include "../tiny_model.h"
 
 namespace ndt {
 namespace {
 
 constexpr int64_t kLlmC = 12, kB = 3;
 
-EncoderConfig tiny_encoder(const std::string& style) {
-  EncoderConfig e;
-  e.image_size = 8;
-  e.patch_size = 4;
-  e.channels = 2;
-  e.style = style;
-  e.d_model = 16;
-  e.n_layers = 2;
-  e.n_heads = 2;
-  e.projector_hidden = 24;
-  return e;
-}
+using testing::tiny_encoder;
 
 Tensor random_tensor(Shape s, std::mt19937& rng) {
   Tensor t = Tensor::empty(std::move(s));
