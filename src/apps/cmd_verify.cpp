@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <deque>
+#include <map>
 #include <filesystem>
 
 #include "apps/commands.h"
@@ -20,6 +22,19 @@ namespace ndt::app {
 namespace {
 
 double rel(double a, double ref) { return std::abs(a - ref) / std::max(std::abs(ref), 1e-12); }
+
+// ||a - b||_2 / ||b||_2 (0 when both are zero).
+double grad_rel_l2(const Tensor& a, const Tensor& b) {
+  NDT_CHECK(a.numel() == b.numel(), "gradient sizes differ: {} vs {}", a.numel(), b.numel());
+  double dd = 0, bb = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double d = static_cast<double>(a.f32()[i]) - b.f32()[i];
+    dd += d * d;
+    bb += static_cast<double>(b.f32()[i]) * b.f32()[i];
+  }
+  if (dd == 0) return 0;
+  return std::sqrt(dd) / std::max(std::sqrt(bb), 1e-30);
+}
 
 // ||a - b||_inf / ||b||_inf over one tensor.
 double weight_rel_diff(const Tensor& a, const Tensor& b) {
@@ -39,7 +54,7 @@ Runner add_verify(CLI::App& app) {
     std::string config;
     std::vector<std::string> sets;
     int64_t steps = 5;
-    double tol_loss = 1e-5, tol_weights = 1e-4;
+    double tol_loss = 1e-5, tol_weights = 1e-4, tol_grads = 1e-4;
     std::string resume;
     bool reference_unpacked = false;
     double tol_logprob = 1e-4;
@@ -51,7 +66,10 @@ Runner add_verify(CLI::App& app) {
                   "Config overrides, including the layout: --set parallel.tp=2 parallel.dp=2");
   cmd->add_option("--steps", o->steps, "Optimizer steps to compare")->check(CLI::Range(1, 1000));
   cmd->add_option("--tol-loss", o->tol_loss, "Max relative difference of loss and grad norm per step");
-  cmd->add_option("--tol-weights", o->tol_weights, "Max ||w - w_ref||_inf / ||w_ref||_inf per tensor");
+  cmd->add_option("--tol-weights", o->tol_weights,
+                  "Max ||w - w_ref||_inf / ||w_ref||_inf per tensor (see docs/parallelism.md for Adam's slack)");
+  cmd->add_option("--tol-grads", o->tol_grads,
+                  "Max ||g - g_ref||_2 / ||g_ref||_2 per tensor of the reduced gradients, at every step");
   cmd->add_option("--resume", o->resume,
                   "Start the layout from this checkpoint (step k, any layout) and compare its steps k.. with "
                   "one straight single-process run from step 0");
@@ -112,6 +130,29 @@ Runner add_verify(CLI::App& app) {
       ref_pt = std::make_unique<PosttrainSession>(ref, *s.tok, *self);
       par_pt = std::make_unique<PosttrainSession>(par, *s.tok, world);
     }
+    // Gradients at every optimizer step, after the reductions and before clipping: the reference's are kept
+    // until the layout's same step compares against them (per tensor relative L2; this rank's tensors).
+    std::deque<std::map<std::string, Tensor>> ref_grads;
+    std::vector<std::pair<double, std::string>> grad_worst;  // per compared step: max over this rank's tensors
+    ref.set_grads_hook([&](int64_t step) {
+      if (step < first) return;
+      std::map<std::string, Tensor> g;
+      for (auto& [name, t] : ref.full_grads()) g[name] = std::move(t);
+      ref_grads.push_back(std::move(g));
+    });
+    par.set_grads_hook([&](int64_t) {
+      const auto mine = par.full_grads();  // collective: every rank, before any early return
+      NDT_CHECK(!ref_grads.empty(), "the layout took an optimizer step the reference did not");
+      std::pair<double, std::string> worst{0.0, ""};
+      for (const auto& [name, g] : mine) {
+        const auto it = ref_grads.front().find(name);
+        NDT_CHECK(it != ref_grads.front().end(), "layout has gradient {} that the reference lacks", name);
+        const double d = grad_rel_l2(g, it->second);
+        if (d >= worst.first) worst = {d, name};
+      }
+      ref_grads.pop_front();
+      grad_worst.push_back(worst);
+    });
     std::vector<std::pair<nlohmann::ordered_json, nlohmann::ordered_json>> pt_metrics;
     for (int64_t i = 0; i < first + o->steps; ++i) {
       if (posttrain) {
@@ -160,6 +201,24 @@ Runner add_verify(CLI::App& app) {
                     a.loss, b.loss, rl, a.grad_norm, b.grad_norm, rg,
                     (rl <= o->tol_loss && rg <= o->tol_loss) ? "" : "  <-- FAIL");
     }
+    // Gradients: the worst tensor of each optimizer step over all ranks.
+    bool grads_ok = true;
+    for (size_t i = 0; i < grad_worst.size(); ++i) {
+      const double mine = grad_worst[i].first;
+      double d = mine;
+      world.all_reduce(&d, 1, DType::F64, ReduceOp::Max);
+      grads_ok = grads_ok && d <= o->tol_grads;
+      if (logger || mine == d) {
+        // The rank holding the worst tensor names it (rank 0 prints when it holds it; else that rank does).
+        if (logger && mine != d)
+          std::printf("grads step %zu: max ||g - g_ref|| / ||g_ref|| = %.2e (on another rank)%s\n", i, d,
+                      d <= o->tol_grads ? "" : "  <-- FAIL");
+        else if (logger)
+          std::printf("grads step %zu: max ||g - g_ref|| / ||g_ref|| = %.2e (%s)%s\n", i, d,
+                      grad_worst[i].second.c_str(), d <= o->tol_grads ? "" : "  <-- FAIL");
+      }
+    }
+    ok = ok && grads_ok && !grad_worst.empty();
     if (posttrain) {
       // Rollout rewards equal (same samples) and the generator agreeing with the trainer as in one process.
       // (DPO: the margin, not the accuracy: at step 0 policy = reference, z = 0 and the sign of z is noise.)
@@ -180,15 +239,24 @@ Runner add_verify(CLI::App& app) {
         if (logger) std::printf("%s\n", line.c_str());
       }
     }
-    double worst = 0;
+    double worst = 0, max_abs = 0;
     std::string worst_name;
     int64_t covered = 0;  // parameters checked here, each counted once over pipeline stages
+    double counts[2] = {0, 0};  // elements beyond --tol-weights, elements compared (this rank)
     auto compare = [&](const std::vector<std::pair<std::string, Tensor>>& ws, ParamStore& ref_store) {
       for (const auto& [name, w] : ws) {
         const Param* rp = ref_store.find(name);
         NDT_CHECK(rp != nullptr && rp->value.numel() == w.numel(),
                   "layout has parameter {} that the reference lacks", name);
         const double d = weight_rel_diff(w, rp->value);
+        double wmax = 0;
+        for (int64_t i = 0; i < w.numel(); ++i) wmax = std::max(wmax, std::abs(static_cast<double>(rp->value.f32()[i])));
+        for (int64_t i = 0; i < w.numel(); ++i) {
+          const double e = std::abs(static_cast<double>(w.f32()[i]) - rp->value.f32()[i]);
+          max_abs = std::max(max_abs, e);
+          counts[0] += e > o->tol_weights * std::max(wmax, 1e-12);
+        }
+        counts[1] += static_cast<double>(w.numel());
         if (d >= worst) {
           worst = d;
           worst_name = name;
@@ -210,7 +278,22 @@ Runner add_verify(CLI::App& app) {
     }
     const double local_worst = worst;
     world.all_reduce(&worst, 1, DType::F64, ReduceOp::Max);
-    ok = ok && covered == expected && worst <= o->tol_weights;
+    world.all_reduce(&max_abs, 1, DType::F64, ReduceOp::Max);
+    world.all_reduce(counts, 2, DType::F64, ReduceOp::Sum);
+    // Adam divides each gradient by sqrt(v) + eps: an element whose gradient sits near eps turns fp32
+    // reduction-order noise into an update of up to ~lr, so a correct layout can differ there by up to
+    // 2 * B * sum(lr) over the steps (B = max(1, (1 - beta1) / sqrt(1 - beta2)) bounds |m_hat / sqrt(v_hat)|).
+    // Such elements are rare; an optimizer bug (a wrong ZeRO shard, a missing update) moves many. So
+    // beyond the strict tolerance the weights still pass when every step's gradients agreed, at most 0.1%
+    // of the elements are beyond it, and none beyond Adam's bound.
+    const TrainConfig& tc = s.cfg.train;
+    // (lr is at most train.lr at every optimizer step the layout took)
+    const double lr_sum = tc.lr * static_cast<double>(grad_worst.size());
+    const double adam_bound = 2.0 * std::max(1.0, (1.0 - tc.beta1) / std::sqrt(1.0 - tc.beta2)) * lr_sum;
+    const double frac = counts[1] > 0 ? counts[0] / counts[1] : 0.0;
+    const bool strict = worst <= o->tol_weights;
+    const bool adam_ok = grads_ok && frac <= 1e-3 && max_abs <= adam_bound;
+    ok = ok && covered == expected && (strict || adam_ok);
     if (logger) {
       const std::string where = local_worst == worst ? " (" + worst_name + ")" : "";
       std::printf(
@@ -218,6 +301,13 @@ Runner add_verify(CLI::App& app) {
           "tolerance %.1e\n",
           static_cast<long long>(o->steps), static_cast<long long>(covered), worst, where.c_str(),
           o->tol_weights);
+      if (!strict)
+        std::printf(
+            "  %.0f of %.0f elements (%.5f%%) beyond it, max |w - w_ref| = %.2e, Adam's bound 2 B sum(lr) = %.2e: "
+            "%s\n",
+            counts[0], counts[1], 100.0 * frac, max_abs, adam_bound,
+            adam_ok ? "Adam's eps amplification of reduction-order noise (gradients agreed): accepted"
+                    : "FAIL");
     }
     // Per-token logprobs and top-k logits of the first global batch, in sample order, after training.
     {

@@ -363,6 +363,10 @@ std::vector<std::pair<std::string, Tensor>> MimoEncoder::full_weights() {
   return full;
 }
 
+std::vector<std::pair<std::string, Tensor>> MimoEncoder::full_grads() {
+  return gather_full_tensors(store_, opt_->gather_grads(), *tp_, nullptr);
+}
+
 int64_t MimoEncoder::count_params() const {
   int64_t n = 0;
   for (const auto& p : store_.all())

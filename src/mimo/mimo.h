@@ -54,6 +54,7 @@ class MimoEncoder final : public StepCompanion, private EmbedHooks {
   void load_weights(const std::vector<std::pair<std::string, Tensor>>& full) override;
   std::vector<std::pair<std::string, Tensor>> full_weights() override;
   int64_t count_params() const override;
+  std::vector<std::pair<std::string, Tensor>> full_grads() override;
   std::string report(double mean_step_seconds) const override;
   void save_checkpoint(const std::string& root, int64_t step) override;
   Status load_checkpoint(const std::string& root, int64_t step) override;

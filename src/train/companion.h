@@ -46,6 +46,8 @@ class StepCompanion {
   // The module's full (global) parameter tensors on every rank, and their element count.
   virtual std::vector<std::pair<std::string, Tensor>> full_weights() = 0;
   virtual int64_t count_params() const = 0;
+  // After reduce_grads: the module's reduced gradients as full tensors on every rank. Collective.
+  virtual std::vector<std::pair<std::string, Tensor>> full_grads() = 0;
   // A line on where the module's time went, given the trainer's mean step time (logged at the end).
   virtual std::string report(double mean_step_seconds) const = 0;
   // Checkpoints: the module's weights and optimizer state after `step` steps, as a checkpoint of its own

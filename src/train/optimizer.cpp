@@ -297,6 +297,16 @@ void Optimizer::gather_moments(Tensor& full_m, Tensor& full_v) {
   }
 }
 
+Tensor Optimizer::gather_grads() {
+  Tensor full = params_.flat_grads().to(Device::CPU).clone();
+  for (Region& r : regions_) {
+    if (!r.sharded()) continue;
+    const Tensor part = r.shard_grad.to(Device::CPU);
+    r.dp->all_gather(part.data_ptr(), full.f32() + r.begin, part.numel(), DType::F32);
+  }
+  return full;
+}
+
 void Optimizer::scatter_moments(const Tensor& full_m, const Tensor& full_v) {
   for (Region& r : regions_) {
     const int64_t len = r.own_end - r.own_begin;

@@ -64,6 +64,9 @@ class Optimizer {
   void set_steps_taken(int64_t n) { step_ = n; }
   // Moments for the whole local flat buffer (ZeRO-1 shards all-gathered over their groups), for checkpoints.
   void gather_moments(Tensor& full_m, Tensor& full_v);
+  // After reduce_grads: the reduced (complete) gradients of the whole local flat buffer on the host (ZeRO-1
+  // shards all-gathered over their groups), for parity checks. Collective over the DP groups.
+  Tensor gather_grads();
   // Takes this rank's owned range from whole-buffer moments (after loading a checkpoint).
   void scatter_moments(const Tensor& full_m, const Tensor& full_v);
 

@@ -258,6 +258,7 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   st.grad_norm = opt_->reduce_grads();
   // Both modules' gradients are reduced only now, after phase 3, and clipped by their joint norm.
   if (companion_) st.grad_norm = std::hypot(st.grad_norm, companion_->reduce_grads());
+  if (grads_hook_) grads_hook_(step);
   st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);
   // Non-finite loss or gradients: the same decision on every rank of the world (docs/reliability.md).
   if (const std::string bad = check_nonfinite(local_loss, st.loss, st.grad_norm, local_grads_finite);

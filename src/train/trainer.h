@@ -116,6 +116,12 @@ class Trainer {
   // owned; set before the first step.
   void set_companion(StepCompanion* c);
   StepCompanion* companion() { return companion_; }
+  // Called in every step after the gradients of both modules are reduced and before clipping and the update
+  // (ndtrain verify compares them there); collective calls inside are allowed (every rank calls it).
+  void set_grads_hook(std::function<void(int64_t step)> hook) { grads_hook_ = std::move(hook); }
+  // The reduced gradients of this rank's parameters as full (global) tensors, gathered over TP and EP
+  // (stage-local under PP), plus a second module's. Only valid inside the grads hook. Collective.
+  std::vector<std::pair<std::string, Tensor>> full_grads();
 
  private:
   Status try_resume(const std::string& dir);  // agreed over the world; OK: state loaded
@@ -150,6 +156,7 @@ class Trainer {
   std::vector<StepStats> history_;
   std::vector<EvalStats> evals_;
   StepCompanion* companion_ = nullptr;
+  std::function<void(int64_t)> grads_hook_;
   std::vector<Fault> faults_;  // debug.fault / NDT_FAULT (train/fault.h)
   int64_t skipped_steps_ = 0, consecutive_skips_ = 0;
 };

@@ -58,6 +58,13 @@ std::vector<std::pair<std::string, Tensor>> Trainer::full_weights() {
   return all;
 }
 
+std::vector<std::pair<std::string, Tensor>> Trainer::full_grads() {
+  auto out = gather_full_tensors(engine_->params(), opt_->gather_grads(), *c_.tp, c_.ep);
+  if (companion_)
+    for (auto& g : companion_->full_grads()) out.push_back(std::move(g));
+  return out;
+}
+
 void Trainer::swap_weights(std::vector<Tensor>& other) {
   auto& ps = engine_->params().all();
   NDT_CHECK(other.empty() || other.size() == ps.size(), "weight snapshot has {} tensors, the model {}",
