@@ -3,6 +3,7 @@
 // they were; too many skips in a row stop the run). Multi-rank runs: tests/reliability.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -49,6 +50,36 @@ TEST(FaultSpec, FiresOnlyAtItsStepsAndRank) {
   EXPECT_TRUE(std::isinf(*fault_value(f, false, 2, 5)));
   EXPECT_TRUE(std::isinf(*fault_value(f, false, 3, 0)));
   EXPECT_FALSE(fault_value(f, false, 4, 0));
+}
+
+TEST(FaultSpec, ProcessAndCheckpointKinds) {
+  auto r = parse_fault_spec(
+      "kill@step=5,rank=1;abort@step=2;hang@steps=3-4,rank=0;slow@steps=1-2,rank=1,ms=250;"
+      "ckpt_write_error@step=4,rank=0;ckpt_short_write@step=8");
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  const auto& f = r.value();
+  ASSERT_EQ(f.size(), 6u);
+  EXPECT_EQ(f[0].kind, Fault::Kind::Kill);
+  EXPECT_EQ(f[1].kind, Fault::Kind::Abort);
+  EXPECT_EQ(f[2].kind, Fault::Kind::Hang);
+  EXPECT_EQ(f[3].kind, Fault::Kind::Slow);
+  EXPECT_EQ(f[3].ms, 250);
+  EXPECT_EQ(f[4].kind, Fault::Kind::CkptWriteError);
+  EXPECT_EQ(f[5].kind, Fault::Kind::CkptShortWrite);
+  for (const Fault& x : f) EXPECT_FALSE(x.is_value());
+  // None of them injects a value; checkpoint faults fire for their save only.
+  EXPECT_FALSE(fault_value(f, false, 5, 1));
+  EXPECT_FALSE(fault_value(f, true, 5, 1));
+  EXPECT_EQ(checkpoint_fault(f, 4, 0), Fault::Kind::CkptWriteError);
+  EXPECT_FALSE(checkpoint_fault(f, 4, 1));
+  EXPECT_EQ(checkpoint_fault(f, 8, 3), Fault::Kind::CkptShortWrite);
+  // A slow fault that fires returns after its sleep; others at other steps do nothing.
+  const auto t0 = std::chrono::steady_clock::now();
+  apply_process_faults(f, 1, 1);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(250));
+  apply_process_faults(f, 6, 0);
+  EXPECT_NE(spec_error("kill@step=1,ms=5").find("unknown fault argument 'ms=5'"), std::string::npos);
+  EXPECT_NE(spec_error("slow@step=1,ms=x").find("ms must be given once"), std::string::npos);
 }
 
 TEST(FaultSpec, ErrorsSayWhatIsWrong) {

@@ -2,6 +2,7 @@
 
 #include "apps/commands.h"
 #include "apps/setup.h"
+#include "dist/watchdog.h"
 #include "mimo/mimo.h"
 #include "parallel/layout.h"
 #include "posttrain/run.h"
@@ -48,6 +49,12 @@ Runner add_train(CLI::App& app) {
       agree_or_throw(validate_config(s.cfg), world);
       agree_or_throw(validate_layout(s.cfg, world.size()), world);
     }
+    // The collective watchdog, before the layout splits its groups off the world (they inherit it).
+    std::unique_ptr<Watchdog> watchdog;
+    if (world.size() > 1 && s.cfg.train.collective_timeout_s > 0) {
+      watchdog = std::make_unique<Watchdog>(s.cfg.train.collective_timeout_s, world.rank(), world.size());
+      world.set_watchdog(watchdog.get());
+    }
     auto layout = Layout::create(s.cfg, world);
     agree_or_throw(layout.status(), world);
     Trainer trainer(s.cfg, layout.value()->comms(), *s.tok, *s.train, s.val.get());
@@ -72,7 +79,10 @@ Runner add_train(CLI::App& app) {
     }
     if (!trace->empty()) trainer.set_trace(*trace);
     if (!resume->empty()) trainer.resume(*resume);
-    trainer.run();
+    if (watchdog) watchdog->set_step(trainer.start_step());
+    trainer.run([&](const StepStats& st) {
+      if (watchdog) watchdog->set_step(st.step + 1);
+    });
     return 0;
   };
 }

@@ -4,8 +4,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <deque>
-#include <map>
 #include <filesystem>
+#include <map>
 
 #include "apps/commands.h"
 #include "apps/setup.h"
@@ -66,8 +66,9 @@ Runner add_verify(CLI::App& app) {
                   "Config overrides, including the layout: --set parallel.tp=2 parallel.dp=2");
   cmd->add_option("--steps", o->steps, "Optimizer steps to compare")->check(CLI::Range(1, 1000));
   cmd->add_option("--tol-loss", o->tol_loss, "Max relative difference of loss and grad norm per step");
-  cmd->add_option("--tol-weights", o->tol_weights,
-                  "Max ||w - w_ref||_inf / ||w_ref||_inf per tensor (see docs/parallelism.md for Adam's slack)");
+  cmd->add_option(
+      "--tol-weights", o->tol_weights,
+      "Max ||w - w_ref||_inf / ||w_ref||_inf per tensor (see docs/parallelism.md for Adam's slack)");
   cmd->add_option("--tol-grads", o->tol_grads,
                   "Max ||g - g_ref||_2 / ||g_ref||_2 per tensor of the reduced gradients, at every step");
   cmd->add_option("--resume", o->resume,
@@ -133,7 +134,8 @@ Runner add_verify(CLI::App& app) {
     // Gradients at every optimizer step, after the reductions and before clipping: the reference's are kept
     // until the layout's same step compares against them (per tensor relative L2; this rank's tensors).
     std::deque<std::map<std::string, Tensor>> ref_grads;
-    std::vector<std::pair<double, std::string>> grad_worst;  // per compared step: max over this rank's tensors
+    std::vector<std::pair<double, std::string>>
+        grad_worst;  // per compared step: max over this rank's tensors
     ref.set_grads_hook([&](int64_t step) {
       if (step < first) return;
       std::map<std::string, Tensor> g;
@@ -241,7 +243,7 @@ Runner add_verify(CLI::App& app) {
     }
     double worst = 0, max_abs = 0;
     std::string worst_name;
-    int64_t covered = 0;  // parameters checked here, each counted once over pipeline stages
+    int64_t covered = 0;        // parameters checked here, each counted once over pipeline stages
     double counts[2] = {0, 0};  // elements beyond --tol-weights, elements compared (this rank)
     auto compare = [&](const std::vector<std::pair<std::string, Tensor>>& ws, ParamStore& ref_store) {
       for (const auto& [name, w] : ws) {
@@ -250,7 +252,8 @@ Runner add_verify(CLI::App& app) {
                   "layout has parameter {} that the reference lacks", name);
         const double d = weight_rel_diff(w, rp->value);
         double wmax = 0;
-        for (int64_t i = 0; i < w.numel(); ++i) wmax = std::max(wmax, std::abs(static_cast<double>(rp->value.f32()[i])));
+        for (int64_t i = 0; i < w.numel(); ++i)
+          wmax = std::max(wmax, std::abs(static_cast<double>(rp->value.f32()[i])));
         for (int64_t i = 0; i < w.numel(); ++i) {
           const double e = std::abs(static_cast<double>(w.f32()[i]) - rp->value.f32()[i]);
           max_abs = std::max(max_abs, e);
@@ -282,10 +285,10 @@ Runner add_verify(CLI::App& app) {
     world.all_reduce(counts, 2, DType::F64, ReduceOp::Sum);
     // Adam divides each gradient by sqrt(v) + eps: an element whose gradient sits near eps turns fp32
     // reduction-order noise into an update of up to ~lr, so a correct layout can differ there by up to
-    // 2 * B * sum(lr) over the steps (B = max(1, (1 - beta1) / sqrt(1 - beta2)) bounds |m_hat / sqrt(v_hat)|).
-    // Such elements are rare; an optimizer bug (a wrong ZeRO shard, a missing update) moves many. So
-    // beyond the strict tolerance the weights still pass when every step's gradients agreed, at most 0.1%
-    // of the elements are beyond it, and none beyond Adam's bound.
+    // 2 * B * sum(lr) over the steps (B = max(1, (1 - beta1) / sqrt(1 - beta2)) bounds |m_hat /
+    // sqrt(v_hat)|). Such elements are rare; an optimizer bug (a wrong ZeRO shard, a missing update) moves
+    // many. So beyond the strict tolerance the weights still pass when every step's gradients agreed, at most
+    // 0.1% of the elements are beyond it, and none beyond Adam's bound.
     const TrainConfig& tc = s.cfg.train;
     // (lr is at most train.lr at every optimizer step the layout took)
     const double lr_sum = tc.lr * static_cast<double>(grad_worst.size());
@@ -303,7 +306,8 @@ Runner add_verify(CLI::App& app) {
           o->tol_weights);
       if (!strict)
         std::printf(
-            "  %.0f of %.0f elements (%.5f%%) beyond it, max |w - w_ref| = %.2e, Adam's bound 2 B sum(lr) = %.2e: "
+            "  %.0f of %.0f elements (%.5f%%) beyond it, max |w - w_ref| = %.2e, Adam's bound 2 B sum(lr) = "
+            "%.2e: "
             "%s\n",
             counts[0], counts[1], 100.0 * frac, max_abs, adam_bound,
             adam_ok ? "Adam's eps amplification of reduction-order noise (gradients agreed): accepted"

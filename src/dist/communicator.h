@@ -15,6 +15,7 @@
 namespace ndt {
 
 enum class ReduceOp { Sum, Max, Min };
+class Watchdog;
 
 // One entry of a batched non-blocking point-to-point exchange (like torch.distributed.batch_isend_irecv).
 struct P2POp {
@@ -58,6 +59,10 @@ class Communicator {
   // color >= 0 form a group, ordered by key (ties by rank); color < 0 gets nullptr. The default
   // implementation all-gathers (color, key) and calls subgroup() once per color; backends override it.
   virtual std::unique_ptr<Communicator> split(int color, int key);
+
+  // The collective watchdog (dist/watchdog.h) this communicator's blocking calls report to, and every
+  // group split off it afterwards (not owned; null = none). The default ignores it (one-rank, NCCL).
+  virtual void set_watchdog(Watchdog* w) {}
 
   // Strings (names, messages) travel as i32 words: a length, then the characters.
   void send_string(const std::string& s, int peer, int tag = 0);

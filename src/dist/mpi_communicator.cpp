@@ -14,6 +14,7 @@
 
 #include "dist/communicator.h"
 #include "dist/mpi_testing.h"
+#include "dist/watchdog.h"
 
 namespace ndt {
 namespace {
@@ -130,8 +131,10 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const std::vector<int>& world_ranks() const override { return world_ranks_; }
+  void set_watchdog(Watchdog* w) override { watch_ = w; }
 
   void all_reduce(void* buf, int64_t count, DType dt, ReduceOp op) override {
+    Watchdog::Scope watch(watch_, "all_reduce", size_);
     const MPI_Op mop = mpi_op(op, dt);
     for_chunks(count, [&](int64_t off, int n) {
       NDT_MPI(MPI_Allreduce(MPI_IN_PLACE, at(buf, off, dt), n, mpi_type(dt), mop, comm_));
@@ -139,6 +142,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void all_gather(const void* send, void* recv, int64_t count, DType dt) override {
+    Watchdog::Scope watch(watch_, "all_gather", size_);
     // MPI forbids aliased buffers; the usual aliasing (send is our own block of recv) is MPI_IN_PLACE.
     const bool in_place = send == at(recv, rank_ * count, dt);
     if (count <= g_max_chunk.load()) {  // common case: plain datatype, MPI picks its best algorithm
@@ -154,6 +158,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void reduce_scatter(const void* send, void* recv, int64_t count, DType dt, ReduceOp op) override {
+    Watchdog::Scope watch(watch_, "reduce_scatter", size_);
     const MPI_Op mop = mpi_op(op, dt);
     const size_t bytes = dtype_size(dt);
     std::vector<char> copy;
@@ -176,6 +181,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void broadcast(void* buf, int64_t count, DType dt, int root) override {
+    Watchdog::Scope watch(watch_, "broadcast", size_);
     check_peer(root, "broadcast root");
     for_chunks(count, [&](int64_t off, int n) {
       NDT_MPI(MPI_Bcast(at(buf, off, dt), n, mpi_type(dt), root, comm_));
@@ -183,6 +189,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void send(const void* buf, int64_t count, DType dt, int peer, int tag) override {
+    Watchdog::Scope watch(watch_, "send", size_);
     check_peer(peer, "send peer");
     for_chunks(count, [&](int64_t off, int n) {
       NDT_MPI(MPI_Send(at(buf, off, dt), n, mpi_type(dt), peer, tag, comm_));
@@ -190,6 +197,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void recv(void* buf, int64_t count, DType dt, int peer, int tag) override {
+    Watchdog::Scope watch(watch_, "recv", size_);
     check_peer(peer, "recv peer");
     for_chunks(count, [&](int64_t off, int n) {
       NDT_MPI(MPI_Recv(at(buf, off, dt), n, mpi_type(dt), peer, tag, comm_, MPI_STATUS_IGNORE));
@@ -197,6 +205,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void batch_p2p(const std::vector<P2POp>& ops) override {
+    Watchdog::Scope watch(watch_, "batch_p2p", size_);
     std::vector<MPI_Request> reqs;
     try {
       for (const P2POp& op : ops) {
@@ -224,6 +233,7 @@ class MpiCommunicator final : public Communicator {
                     const std::vector<int64_t>& send_offsets, void* recv,
                     const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& recv_offsets,
                     DType dt) override {
+    Watchdog::Scope watch(watch_, "all_to_all_v", size_);
     const auto n = static_cast<size_t>(size_);
     NDT_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
                   recv_offsets.size() == n,
@@ -242,7 +252,10 @@ class MpiCommunicator final : public Communicator {
                           comm_));
   }
 
-  void barrier() override { NDT_MPI(MPI_Barrier(comm_)); }
+  void barrier() override {
+    Watchdog::Scope watch(watch_, "barrier", size_);
+    NDT_MPI(MPI_Barrier(comm_));
+  }
 
   std::unique_ptr<Communicator> subgroup(const std::vector<int>& members) override {
     std::set<int> seen;
@@ -257,9 +270,14 @@ class MpiCommunicator final : public Communicator {
 
   std::unique_ptr<Communicator> split(int color, int key) override {
     MPI_Comm out = MPI_COMM_NULL;
-    NDT_MPI(MPI_Comm_split(comm_, color >= 0 ? color : MPI_UNDEFINED, key, &out));
+    {
+      Watchdog::Scope watch(watch_, "communicator split", size_);
+      NDT_MPI(MPI_Comm_split(comm_, color >= 0 ? color : MPI_UNDEFINED, key, &out));
+    }
     if (out == MPI_COMM_NULL) return nullptr;
-    return std::make_unique<MpiCommunicator>(out);
+    auto c = std::make_unique<MpiCommunicator>(out);
+    c->set_watchdog(watch_);
+    return c;
   }
 
  private:
@@ -270,6 +288,7 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
   std::vector<int> world_ranks_;
+  Watchdog* watch_ = nullptr;
 };
 
 }  // namespace

@@ -87,7 +87,6 @@ struct Generator::Impl {
       ops::cast_into(dst, mine);
     hooks->all_reduce_sum(blocks.f32(), blocks.numel());  // device buffer under NCCL, host under MPI
     Tensor out = Tensor::empty({n, V}, DType::F32, mine.device());
-    const size_t row = static_cast<size_t>(Vl) * sizeof(float);
     for (int64_t r = 0; r < tp; ++r) {
       const float* src = blocks.f32() + r * n * Vl;
       float* d = out.f32() + r * Vl;

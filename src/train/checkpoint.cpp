@@ -399,7 +399,7 @@ Status publish_checkpoint(const std::string& dir_in, const std::string& tmp_dir,
 
 Status save_checkpoint(const std::string& dir_in, const ParamStore& params, const Tensor& full_m,
                        const Tensor& full_v, const CheckpointMeta& meta, bool writer, int keep_last,
-                       Communicator& world, bool write_dense) {
+                       Communicator& world, bool write_dense, CheckpointFault fault) {
   const std::string dir = strip_slash(dir_in);
   const std::string tmp = fmt::format("{}.tmp-{}", dir, meta.step);
   const int rank = world.rank();
@@ -419,12 +419,20 @@ Status save_checkpoint(const std::string& dir_in, const ParamStore& params, cons
   std::vector<CheckpointSlice> mine;
   Status local;
   if (writer) {
-    auto r = write_checkpoint_shard(tmp, fmt::format("shard-{}.safetensors", rank), params, full_m, full_v,
-                                    write_dense);
+    const std::string file = fmt::format("shard-{}.safetensors", rank);
+    auto r = write_checkpoint_shard(tmp, file, params, full_m, full_v, write_dense);
     if (r)
       mine = std::move(r.value());
     else
       local = r.status();
+    std::error_code ec;
+    const fs::path path = fs::path(tmp) / file;
+    if (local && fault == CheckpointFault::WriteError) {
+      fs::remove(path, ec);
+      local = Status::error(fmt::format(
+          "writing {}: No space left on device (injected fault ckpt_write_error)", path.string()));
+    }
+    if (local && fault == CheckpointFault::ShortWrite) fs::resize_file(path, fs::file_size(path, ec) / 2, ec);
   }
   // Writers must agree on whether moments are saved.
   int32_t counts[2] = {writer ? 1 : 0, (writer && full_m.defined()) ? 1 : 0};
@@ -435,7 +443,14 @@ Status save_checkpoint(const std::string& dir_in, const ParamStore& params, cons
   if (local && counts[0] == 0)
     local = Status::error(fmt::format("checkpoint '{}': no rank is a writer", tmp));
   st = agree(local, world);
-  if (!st) return st;
+  if (!st) {
+    world.barrier();  // every writer is done with the staging directory before it goes
+    if (rank == 0) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+    }
+    return st;
+  }
 
   if (rank == 0) {
     const char* crash = std::getenv("NDT_CHECKPOINT_CRASH_AFTER_SHARDS");

@@ -38,9 +38,13 @@ struct CheckpointMeta {
 // shards are written and before the index/rename.
 // write_dense = false: this writer writes only its expert params (Param::expert; under expert parallelism
 // every EP rank of a replica writes its experts, one rank the rest).
+// fault (reliability tests, train/fault.h): this rank's shard write fails as on a full disk, or the shard is
+// truncated after a successful write (a disk that lied: only a later load notices). On any failure the
+// staging directory is removed and the previous checkpoints stay as they were.
+enum class CheckpointFault { None, WriteError, ShortWrite };
 Status save_checkpoint(const std::string& dir, const ParamStore& params, const Tensor& full_m,
                        const Tensor& full_v, const CheckpointMeta& meta, bool writer, int keep_last,
-                       Communicator& world, bool write_dense = true);
+                       Communicator& world, bool write_dense = true, CheckpointFault fault = CheckpointFault::None);
 
 // Resolves DIR (a step dir with index.json, or a parent with `latest`) to a step dir path.
 Result<std::string> resolve_checkpoint(const std::string& dir);

@@ -165,6 +165,7 @@ const std::vector<KeyDef>& schema() {
       bool_key("train.tensorboard", t(&T::tensorboard)),
       str_key("train.nonfinite", {"stop", "skip"}, t(&T::nonfinite)),
       int_key("train.max_consecutive_skips", 1, kInf, t(&T::max_consecutive_skips)),
+      float_key("train.collective_timeout_s", 0, kInf, t(&T::collective_timeout_s)),
 
       int_key("parallel.tp", 1, 4096, p(&P::tp)),
       int_key("parallel.cp", 1, 4096, p(&P::cp)),

@@ -113,6 +113,9 @@ struct TrainConfig {
   // max_consecutive_skips skipped steps in a row (then an error).
   std::string nonfinite = "stop";
   int64_t max_consecutive_skips = 5;
+  // A blocking communication call that has not returned after this many seconds ends the job with a message
+  // naming the call, the rank and the step (dist/watchdog.h); 0 = no watchdog. Multi-rank CPU (MPI) runs.
+  double collective_timeout_s = 300;
   // precision with "auto" resolved.
   std::string effective_precision() const {
     return precision != "auto" ? precision : (device == "cuda" ? "bf16" : "fp32");

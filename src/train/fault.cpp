@@ -1,8 +1,13 @@
 #include "train/fault.h"
 
 #include <charconv>
+#include <chrono>
 #include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
+#include <thread>
 
 #include "core/check.h"
 
@@ -10,8 +15,9 @@ namespace ndt {
 namespace {
 
 constexpr const char* kSyntax =
-    "expected KIND@step=S[,rank=R] or KIND@steps=A-B[,rank=R], faults separated by ';', KIND one of "
-    "nan_grad, inf_grad, nan_loss, inf_loss";
+    "expected KIND@step=S[,rank=R] or KIND@steps=A-B[,rank=R] (slow also ms=M), faults separated by ';', "
+    "KIND one of nan_grad, inf_grad, nan_loss, inf_loss, kill, abort, hang, slow, ckpt_write_error, "
+    "ckpt_short_write";
 
 std::string trim(const std::string& s) {
   const auto b = s.find_first_not_of(" \t");
@@ -51,15 +57,37 @@ Result<Fault> parse_one(const std::string& text) {
     f.kind = Fault::Kind::NanLoss;
   else if (kind == "inf_loss")
     f.kind = Fault::Kind::InfLoss;
+  else if (kind == "kill")
+    f.kind = Fault::Kind::Kill;
+  else if (kind == "abort")
+    f.kind = Fault::Kind::Abort;
+  else if (kind == "hang")
+    f.kind = Fault::Kind::Hang;
+  else if (kind == "slow")
+    f.kind = Fault::Kind::Slow;
+  else if (kind == "ckpt_write_error")
+    f.kind = Fault::Kind::CkptWriteError;
+  else if (kind == "ckpt_short_write")
+    f.kind = Fault::Kind::CkptShortWrite;
   else
     return Status::error(fmt::format("unknown fault kind '{}' in '{}' ({})", kind, text, kSyntax));
-  bool have_step = false, have_rank = false;
+  bool have_step = false, have_rank = false, have_ms = false;
   for (const std::string& arg : split(text.substr(at + 1), ',')) {
     const auto eq = arg.find('=');
     const std::string key = trim(arg.substr(0, eq)),
                       val = eq == std::string::npos ? "" : trim(arg.substr(eq + 1));
-    if (eq == std::string::npos || (key != "step" && key != "steps" && key != "rank"))
+    if (eq == std::string::npos ||
+        (key != "step" && key != "steps" && key != "rank" && !(key == "ms" && f.kind == Fault::Kind::Slow)))
       return Status::error(fmt::format("unknown fault argument '{}' in '{}' ({})", arg, text, kSyntax));
+    if (key == "ms") {
+      const auto m = non_negative(val);
+      if (!m || have_ms)
+        return Status::error(
+            fmt::format("fault '{}': ms must be given once, an integer >= 0, got '{}'", text, val));
+      f.ms = *m;
+      have_ms = true;
+      continue;
+    }
     if ((key == "rank" && have_rank) || (key != "rank" && have_step))
       return Status::error(fmt::format("fault '{}' gives '{}' twice", text, key == "rank" ? "rank" : "step"));
     if (key == "rank") {
@@ -113,7 +141,39 @@ Result<std::vector<Fault>> parse_fault_spec(const std::string& spec) {
 std::optional<float> fault_value(const std::vector<Fault>& faults, bool grad, int64_t step,
                                  int64_t world_rank) {
   for (const Fault& f : faults)
-    if (f.on_grad() == grad && f.fires(step, world_rank)) return f.value();
+    if (f.is_value() && f.on_grad() == grad && f.fires(step, world_rank)) return f.value();
+  return std::nullopt;
+}
+
+void apply_process_faults(const std::vector<Fault>& faults, int64_t step, int64_t world_rank) {
+  for (const Fault& f : faults) {
+    if (!f.on_process() || !f.fires(step, world_rank)) continue;
+    static const char* names[] = {"kill", "abort", "hang", "slow"};
+    std::fprintf(
+        stderr, "ndtrain [rank %lld]: injected fault %s at step %lld\n", static_cast<long long>(world_rank),
+        names[static_cast<int>(f.kind) - static_cast<int>(Fault::Kind::Kill)], static_cast<long long>(step));
+    std::fflush(stderr);
+    switch (f.kind) {
+      case Fault::Kind::Kill:
+        std::raise(SIGKILL);
+        break;
+      case Fault::Kind::Abort:
+        std::abort();
+      case Fault::Kind::Hang:
+        for (;;) std::this_thread::sleep_for(std::chrono::seconds(60));
+      case Fault::Kind::Slow:
+        std::this_thread::sleep_for(std::chrono::milliseconds(f.ms));
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+std::optional<Fault::Kind> checkpoint_fault(const std::vector<Fault>& faults, int64_t step,
+                                            int64_t world_rank) {
+  for (const Fault& f : faults)
+    if (f.on_checkpoint() && f.fires(step, world_rank)) return f.kind;
   return std::nullopt;
 }
 

@@ -198,6 +198,7 @@ std::vector<Microbatch> Trainer::microbatches(const std::vector<Sample>& samples
 }
 
 StepStats Trainer::train_step(int64_t step) {
+  apply_process_faults(faults_, step, c_.world->rank());  // (reliability tests; none unless configured)
   const auto t0 = std::chrono::steady_clock::now();
   return step_on(step, local_microbatches(step), nullptr, t0);
 }

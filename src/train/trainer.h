@@ -89,8 +89,9 @@ class Trainer {
   ParamStore& params() { return engine_->params(); }
   PipelineEngine& engine() { return *engine_; }
   Optimizer& optimizer() { return *opt_; }
-  // Saves a checkpoint after `steps_done` steps (collective).
-  void save_checkpoint(int64_t steps_done);
+  // Saves a checkpoint after `steps_done` steps (collective). False when the save failed (the same on every
+  // rank; reported by rank 0, the previous checkpoint left valid).
+  bool save_checkpoint(int64_t steps_done);
   // Loads a checkpoint written by any layout; training continues at its step (collective).
   // Continue from a checkpoint (any layout); "auto": the newest valid one in the run's checkpoint root,
   // skipping incomplete or corrupt ones, or step 0 when there is none. Collective; errors agreed.

@@ -19,7 +19,7 @@ std::string companion_root(const std::string& root) {
 }
 }  // namespace
 
-void Trainer::save_checkpoint(int64_t steps_done) {
+bool Trainer::save_checkpoint(int64_t steps_done) {
   Tensor full_m, full_v;
   opt_->gather_moments(full_m, full_v);
   CheckpointMeta meta;
@@ -34,17 +34,33 @@ void Trainer::save_checkpoint(int64_t steps_done) {
   if (companion_) companion_->save_checkpoint(companion_root(dir), steps_done);
   // DP x CP replicas hold identical slices: rank 0 of that group at each (tp, pp) coordinate writes them;
   // expert slices differ over EP: rank 0 of each expert-data-parallel group writes its experts.
+  CheckpointFault fault = CheckpointFault::None;
+  if (auto f = checkpoint_fault(faults_, steps_done, c_.world->rank()))
+    fault = *f == Fault::Kind::CkptWriteError ? CheckpointFault::WriteError : CheckpointFault::ShortWrite;
+  Status st;
   engine_->params().with_host_values(
       [&] {
-        ndt::save_checkpoint(dir, engine_->params(), full_m, full_v, meta, c_.expert_dp->rank() == 0,
-                             static_cast<int>(cfg_.train.keep_last), *c_.world, c_.grad->rank() == 0)
-            .throw_if_error();
+        st = ndt::save_checkpoint(dir, engine_->params(), full_m, full_v, meta, c_.expert_dp->rank() == 0,
+                                  static_cast<int>(cfg_.train.keep_last), *c_.world, c_.grad->rank() == 0,
+                                  fault);
       },
       /*write_back=*/false);
+  // A failed save (a full disk, say) costs this checkpoint only: every rank got the same status, the staging
+  // directory is gone, the previous checkpoint stays the newest valid one and training state is in memory.
+  if (!st) {
+    if (c_.world->rank() == 0) {
+      std::printf(
+          "checkpoint at step %lld FAILED (training goes on; the previous checkpoint stays valid): %s\n",
+          static_cast<long long>(steps_done), st.message().c_str());
+      std::fflush(stdout);
+    }
+    return false;
+  }
   if (c_.world->rank() == 0) {
     std::printf("saved checkpoint at step %lld to %s\n", static_cast<long long>(steps_done), dir.c_str());
     std::fflush(stdout);
   }
+  return true;
 }
 
 void Trainer::resume(const std::string& dir) {

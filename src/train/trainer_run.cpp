@@ -225,7 +225,9 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
       break;
     }
   }
-  if (tc.checkpoint_every > 0) save_checkpoint(step);
+  // The final checkpoint must land: a failed one ends the run with an error (the previous one stays valid).
+  if (tc.checkpoint_every > 0 && !save_checkpoint(step))
+    throw AgreedError(fmt::format("the final checkpoint (step {}) could not be saved", step));
   log_eval(step);
 
   // Final weights (gathered over TP, EP and PP) and the loss curve; one writer.

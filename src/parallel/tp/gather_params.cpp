@@ -6,12 +6,12 @@ namespace {
 
 // src(p): the local slice of parameter p to assemble (its value, or a view of another flat buffer).
 template <typename Src>
-std::vector<std::pair<std::string, Tensor>> gather(const ParamStore& params, Communicator& tp, Communicator* ep,
-                                                   Src&& src) {
+std::vector<std::pair<std::string, Tensor>> gather(const ParamStore& params, Communicator& tp,
+                                                   Communicator* ep, Src&& src) {
   std::vector<std::pair<std::string, Tensor>> out;
   for (const auto& param : params.all()) {
     const Param& p = *param;
-    const Tensor v = src(p);  // this rank's slice
+    const Tensor v = src(p);             // this rank's slice
     if (p.expert && p.shard_dim == 0) {  // EP rank r holds experts [r * El, (r + 1) * El): blocks in order
       NDT_CHECK(ep != nullptr && ep->size() * v.size(0) == p.global_shape[0],
                 "gathering expert tensor {} needs the EP group", p.name);

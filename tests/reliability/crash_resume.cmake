@@ -1,0 +1,50 @@
+cmake_minimum_required(VERSION 3.25)
+# A run that a process fault ends (kill: SIGKILL as a lost node; abort; hang: the watchdog ends it) must end
+# non-zero within MAX_SECONDS, saying so (EXPECT); `--resume auto` then finishes it, and its final weights
+# are byte-identical to an uninterrupted run's. Checkpoint faults (write error, short write) must NOT end
+# the run: the run finishes (EXPECT in its output), and a resumed continuation still matches.
+# Usage: cmake -DNDTRAIN=bin -DMPIRUN="a|b" -DNP=n -DARGS="train|--config|c|--set|k=v..." -DDIR=d
+#              -DFAULT=spec -DEXPECT=regex -DMAX_SECONDS=s -DSTEPS=n -DCRASHES=ON|OFF -P crash_resume.cmake
+string(REPLACE "|" ";" mpirun "${MPIRUN}")
+string(REPLACE "|" ";" args "${ARGS}")
+file(REMOVE_RECURSE ${DIR})
+function(run tag out_dir extra)
+  string(REPLACE "|" ";" more "${extra}")
+  string(TIMESTAMP t0 "%s")
+  execute_process(COMMAND ${mpirun} -np ${NP} ${NDTRAIN} ${args} train.out_dir=${out_dir} ${more}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT ${MAX_SECONDS})
+  string(TIMESTAMP t1 "%s")
+  math(EXPR secs "${t1} - ${t0}")
+  set(rc_${tag} "${rc}" PARENT_SCOPE)
+  set(log_${tag} "${out}\n${err}" PARENT_SCOPE)
+  set(secs_${tag} "${secs}" PARENT_SCOPE)
+endfunction()
+run(straight ${DIR}/straight "train.steps=${STEPS}")
+if(NOT rc_straight EQUAL 0)
+  message(FATAL_ERROR "the uninterrupted run failed:\n${log_straight}")
+endif()
+run(faulted ${DIR}/run "train.steps=${STEPS}|debug.fault=${FAULT}")
+string(REPLACE ";" "," log_faulted "${log_faulted}")
+if(CRASHES)
+  if(rc_faulted EQUAL 0 OR rc_faulted MATCHES "timeout|Process terminated")
+    message(FATAL_ERROR "expected the faulted run to end non-zero within ${MAX_SECONDS} s, got '${rc_faulted}':\n${log_faulted}")
+  endif()
+elseif(NOT rc_faulted EQUAL 0)
+  message(FATAL_ERROR "a checkpoint fault must not end the run, got '${rc_faulted}':\n${log_faulted}")
+endif()
+if(NOT log_faulted MATCHES "${EXPECT}")
+  message(FATAL_ERROR "the faulted run's output does not match '${EXPECT}':\n${log_faulted}")
+endif()
+message(STATUS "faulted run: exit ${rc_faulted} after ${secs_faulted} s")
+# Continue (or redo the end of) the run from its newest valid checkpoint.
+run(resumed ${DIR}/run "train.steps=${STEPS}|--resume|auto")
+if(NOT rc_resumed EQUAL 0)
+  message(FATAL_ERROR "the resumed run failed:\n${log_resumed}")
+endif()
+string(REGEX MATCH "resumed from [^\n]*|resume auto: [^\n]*" how "${log_resumed}")
+execute_process(COMMAND ${CMAKE_COMMAND} -E compare_files ${DIR}/straight/model.safetensors
+                        ${DIR}/run/model.safetensors RESULT_VARIABLE same)
+if(NOT same EQUAL 0)
+  message(FATAL_ERROR "final weights differ from the uninterrupted run's (${how}):\n${log_resumed}")
+endif()
+message(STATUS "${how}; final weights byte-identical to the uninterrupted run")
