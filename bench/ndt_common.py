@@ -21,8 +21,9 @@ import struct
 # ndtrain's defaults (src/train/config.h) for the keys the benchmark reads.
 DEFAULTS = {
     "model.style": "llama", "model.vocab_size": 320, "model.d_model": 128, "model.n_layers": 2,
-    "model.n_heads": 4, "model.n_kv_heads": 0, "model.d_ff": 0, "model.max_seq_len": 256,
+    "model.n_heads": 4, "model.n_kv_heads": 0, "model.head_dim": 0, "model.d_ff": 0, "model.max_seq_len": 256,
     "model.rope_theta": 10000.0, "model.norm_eps": 1e-5, "model.tie_embeddings": -1, "model.init_std": 0.02,
+    "model.qk_norm": False,
     "data.task": "addition", "data.path": "", "data.seq_len": 64, "data.seed": 1234, "data.packing": False,
     "train.seed": 42, "train.steps": 1000, "train.global_batch": 32, "train.micro_batch": 0,
     "train.lr": 1e-3, "train.min_lr": 1e-4, "train.warmup_steps": 50, "train.beta1": 0.9, "train.beta2": 0.95,
@@ -101,6 +102,8 @@ class Config(dict):
 
     @property
     def head_dim(self):
+        if self["model.head_dim"] > 0:
+            return self["model.head_dim"]
         return self["model.d_model"] // self["model.n_heads"]
 
     @property

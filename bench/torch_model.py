@@ -122,12 +122,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.H * self.D, c, bias=b)
         self.rope = not cfg.gpt2
         self.gqa_native = True
+        # model.qk_norm (Qwen3): RMSNorm over D of every head of q and k, before RoPE.
+        self.qk_norm = cfg["model.qk_norm"] and not cfg.gpt2
+        if self.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(self.D, cfg["model.norm_eps"]), RMSNorm(self.D, cfg["model.norm_eps"])
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.H, self.D)
         k = self.wk(x).view(B, T, self.KV, self.D)
         v = self.wv(x).view(B, T, self.KV, self.D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
         y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 1.0 / math.sqrt(self.D),

@@ -248,6 +248,11 @@ TEST(ConfigValidate, CrossFieldChecksNameKeys) {
       {{"train.device=cuda", "model.d_model=64", "model.n_heads=4"},
        "train.device cuda needs a head dim of 64 or 128 (the GPU attention kernels), got model.d_model / "
        "model.n_heads = 64 / 4 = 16"},
+      {{"train.device=cuda", "model.d_model=64", "model.n_heads=4", "model.head_dim=96"},
+       "train.device cuda needs a head dim of 64 or 128 (the GPU attention kernels), got model.head_dim = "
+       "96"},
+      {{"model.head_dim=5"}, "the head dim 5 (model.head_dim) must be even for style llama"},
+      {{"model.style=gpt2", "model.qk_norm=true"}, "model.qk_norm is for style llama"},
   };
   for (const auto& c : cases) {
     auto r = parse_config_string("", c.overrides);
@@ -261,6 +266,16 @@ TEST(ConfigValidate, CrossFieldChecksNameKeys) {
       parse_config_string("", {"parallel.virtual_stages=2", "parallel.schedule=interleaved"}).is_ok());
   EXPECT_TRUE(parse_config_string("", {"data.task=sft", "data.path=x.jsonl"}).is_ok());
   EXPECT_TRUE(parse_config_string("", {"parallel.order=pp-dp-ep-cp-tp"}).is_ok());
+  // An explicit head width lifts d_model % n_heads (Qwen3-0.6B: hidden 1024, 16 heads of 128).
+  EXPECT_TRUE(parse_config_string("", {"model.d_model=100", "model.n_heads=3", "model.head_dim=32"}).is_ok());
+  {
+    auto q = parse_config_string("", {"model.d_model=1024", "model.n_heads=16", "model.n_kv_heads=8",
+                                      "model.head_dim=128", "model.qk_norm=true"});
+    ASSERT_TRUE(q.is_ok()) << q.status().message();
+    EXPECT_EQ(q.value().model.head_dim(), 128);
+    EXPECT_TRUE(q.value().model.qk_norm);
+    EXPECT_EQ(parse_config_string("", {}).value().model.head_dim(), 128 / 4);  // 0: d_model / n_heads
+  }
   // validate_config also guards configs built in code.
   Config c;
   c.parallel.tp = 0;
@@ -275,7 +290,7 @@ TEST(ConfigRoundTrip, ToYamlParsesBackIdentically) {
       parse_config_string("", {"model.style=gpt2", "model.d_model=96", "model.n_heads=3", "train.lr=0.00123",
                                "train.adam_eps=1e-10", "data.path=has \"quotes\" and: colon # hash",
                                "data.val_path=", "parallel.zero1=true", "model.tie_embeddings=0",
-                               "train.out_dir=runs/x y", "model.rope_theta=500000.5"});
+                               "train.out_dir=runs/x y", "model.rope_theta=500000.5", "model.head_dim=40"});
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   const std::string y1 = ndt::config_to_yaml(r.value());
   auto back = parse_config_string(y1, {}, "roundtrip");
@@ -291,14 +306,18 @@ TEST(ConfigRoundTrip, ToYamlParsesBackIdentically) {
   EXPECT_EQ(b.train.out_dir, "runs/x y");
   EXPECT_TRUE(b.parallel.zero1);
   EXPECT_EQ(b.model.tie_embeddings, 0);
+  EXPECT_EQ(b.model.head_dim(), 40);
   // Idempotent apart from the source comment.
   std::string y2 = ndt::config_to_yaml(b);
   y2 = y2.substr(y2.find('\n'));
   EXPECT_EQ(y1.substr(y1.find('\n')), y2);
   // Every key appears.
-  for (const char* k : {"style:", "vocab_size:", "rope_theta:", "task:", "addition_digits:", "warmup_steps:",
-                        "max_seconds:", "virtual_stages:", "schedule:", "order:"})
+  for (const char* k :
+       {"style:", "vocab_size:", "rope_theta:", "task:", "addition_digits:", "warmup_steps:", "max_seconds:",
+        "virtual_stages:", "schedule:", "order:", "head_dim: 40", "qk_norm: false"})
     EXPECT_HAS(y1, k);
+  // A derived head width is written as 0 with its value as a comment.
+  EXPECT_HAS(ndt::config_to_yaml(parse_config_string("", {}).value()), "head_dim: 0  # = 32");
 }
 
 TEST(ConfigRoundTrip, DefaultsAndPresets) {

@@ -19,9 +19,19 @@
 namespace ndt {
 namespace {
 
+// style "qwen3": llama with q/k norms and a head width (6) that is not d_model / n_heads (16 / 4).
+ModelConfig gen_model(const std::string& style) {
+  ModelConfig m = testing::tiny_model(style == "qwen3" ? "llama" : style);
+  if (style == "qwen3") {
+    m.head_dim_override = 6;
+    m.qk_norm = true;
+  }
+  return m;
+}
+
 Config gen_config(const std::string& style, int64_t experts = 0) {
   Config c;
-  c.model = testing::tiny_model(style);
+  c.model = gen_model(style);
   c.model.moe.num_experts = experts;
   return c;
 }
@@ -89,6 +99,7 @@ void same_as_uncached(const Config& cfg) {
 TEST(Generate, CachedGreedyMatchesUncachedGpt2) { same_as_uncached(gen_config("gpt2")); }
 TEST(Generate, CachedGreedyMatchesUncachedLlamaGqa) { same_as_uncached(gen_config("llama")); }
 TEST(Generate, CachedGreedyMatchesUncachedMoe) { same_as_uncached(gen_config("llama", 4)); }
+TEST(Generate, CachedGreedyMatchesUncachedQwen3HeadDim) { same_as_uncached(gen_config("qwen3")); }
 
 // Refit straight from a whole training store gives the weights load_full gives (same tokens and logprobs);
 // a store that lacks a parameter (another model) is refused, copying nothing.
@@ -152,7 +163,7 @@ TEST(Generate, ErrorsNameTheRequest) {
 // Three sequences in slots 0, 1 and 3 (slot 2 stays empty); at some steps the middle one sits out, so the
 // key segment of slot 0 spans the rows of slots 1 and 2, which must stay invisible.
 void decode_logits_match(const std::string& style) {
-  const ModelConfig mc = testing::tiny_model(style);
+  const ModelConfig mc = gen_model(style);
   Transformer m(mc, StageSpec{}, nullptr);
   m.params().init(7);
   const auto seqs = prompts_of({10, 12, 9}, mc.vocab_size, 4);
@@ -227,6 +238,7 @@ void decode_logits_match(const std::string& style) {
 
 TEST(Generate, DecodeLogitsMatchFullForwardGpt2) { decode_logits_match("gpt2"); }
 TEST(Generate, DecodeLogitsMatchFullForwardLlama) { decode_logits_match("llama"); }
+TEST(Generate, DecodeLogitsMatchFullForwardQwen3HeadDim) { decode_logits_match("qwen3"); }
 
 TEST(KvCache, RejectsOutOfOrderPositions) {
   KvCache cache(1, 2, 8, 1, 4, DType::F32, Device::CPU);

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <random>
 
 #include "model/transformer.h"
@@ -24,13 +25,38 @@ double loss_of(Transformer& m, const Microbatch& mb) {
 // whole model (finite-difference noise is absolute in loss units, so it scales with the model, not with
 // the tensor: gpt2's key bias has an exactly-zero true gradient); eps = 1e-2.
 // qkv_bias (llama, Qwen2-style): the q/k/v biases are set to random values (a key bias matters under RoPE).
-void gradcheck(const std::string& style, bool qkv_bias = false) {
+// head_dim: model.head_dim (0 = d_model / n_heads); qk_norm (Qwen3): the q/k norm weights are set to
+// 1 + N(0, 0.3) so that each of their elements matters differently.
+struct GradcheckOpts {
+  bool qkv_bias = false;
+  int64_t head_dim = 0;
+  bool qk_norm = false;
+};
+
+void gradcheck(const std::string& style, GradcheckOpts o = {}) {
   std::mt19937 rng(7);
   ModelConfig cfg = testing::tiny_model(style);
-  cfg.qkv_bias = qkv_bias;
+  cfg.qkv_bias = o.qkv_bias;
+  cfg.head_dim_override = o.head_dim;
+  cfg.qk_norm = o.qk_norm;
   Transformer m(cfg, StageSpec{}, nullptr);
   m.params().init(11);
-  if (qkv_bias) {
+  if (o.head_dim > 0)
+    EXPECT_EQ(m.params().get("layers.0.attn.wo.weight").global_shape,
+              (Shape{cfg.d_model, cfg.n_heads * o.head_dim}));
+  if (o.qk_norm) {
+    std::normal_distribution<float> d(0.0f, 0.3f);
+    int norms = 0;
+    for (auto& p : m.params().all())
+      if (p->name.find(".attn.q_norm.") != std::string::npos ||
+          p->name.find(".attn.k_norm.") != std::string::npos) {
+        EXPECT_EQ(p->numel(), cfg.head_dim());
+        for (int64_t i = 0; i < p->numel(); ++i) p->value.f32()[i] = 1.0f + d(rng);
+        ++norms;
+      }
+    EXPECT_EQ(norms, 2 * cfg.n_layers);
+  }
+  if (o.qkv_bias) {
     std::normal_distribution<float> d(0.0f, 0.3f);
     int biases = 0;
     for (auto& p : m.params().all())
@@ -47,6 +73,7 @@ void gradcheck(const std::string& style, bool qkv_bias = false) {
   m.backward(mb, Tensor(), 1.0f, a);
   const float eps = 1e-2f;
   int checked = 0;
+  double worst = 0;  // max over the checked elements of |numeric - analytic| / allowed
   float G = 0;
   for (auto& p : m.params().all())
     for (int64_t i = 0; i < p->numel(); ++i) G = std::max(G, std::abs(p->grad.f32()[i]));
@@ -65,21 +92,37 @@ void gradcheck(const std::string& style, bool qkv_bias = false) {
       const double lm = loss_of(m, mb);
       w = w0;
       const double num = (lp - lm) / (2.0 * eps), ana = p->grad.f32()[i];
-      EXPECT_LE(std::abs(num - ana), 2e-2 * std::abs(num) + 2e-3 * G)
+      const double allowed = 2e-2 * std::abs(num) + 2e-3 * G;
+      worst = std::max(worst, std::abs(num - ana) / allowed);
+      EXPECT_LE(std::abs(num - ana), allowed)
           << style << " " << p->name << "[" << i << "] numeric " << num << " analytic " << ana;
       ++checked;
     }
   }
   EXPECT_GT(checked, 50);
+  std::printf("gradcheck %s%s%s%s: %d elements, worst |numeric - analytic| / allowed = %.3f\n", style.c_str(),
+              o.qkv_bias ? " qkv_bias" : "",
+              o.head_dim ? (" head_dim=" + std::to_string(o.head_dim)).c_str() : "",
+              o.qk_norm ? " qk_norm" : "", checked, worst);
 }
 
 TEST(ModelGradcheck, Llama) { gradcheck("llama"); }
 TEST(ModelGradcheck, Gpt2) { gradcheck("gpt2"); }
-TEST(ModelGradcheck, LlamaQkvBias) { gradcheck("llama", /*qkv_bias=*/true); }
+TEST(ModelGradcheck, LlamaQkvBias) { gradcheck("llama", {.qkv_bias = true}); }
+// model.head_dim 6 with d_model 16 / 4 heads: the attention width H*D = 24 differs from C.
+TEST(ModelGradcheck, LlamaHeadDim) { gradcheck("llama", {.head_dim = 6}); }
+TEST(ModelGradcheck, Gpt2HeadDim) { gradcheck("gpt2", {.head_dim = 6}); }
+// Qwen3: q/k RMSNorm per head before RoPE, with a decoupled head width.
+TEST(ModelGradcheck, Qwen3QkNormHeadDim) { gradcheck("llama", {.head_dim = 6, .qk_norm = true}); }
+TEST(ModelGradcheck, LlamaQkNorm) { gradcheck("llama", {.qk_norm = true}); }
 
 TEST(ModelInit, ShardsAreSlicesOfTheFullTensor) {
-  for (const std::string style : {"llama", "gpt2"}) {
-    ModelConfig cfg = testing::tiny_model(style);
+  for (const std::string style : {"llama", "gpt2", "qwen3"}) {
+    ModelConfig cfg = testing::tiny_model(style == "qwen3" ? "llama" : style);
+    if (style == "qwen3") {  // decoupled head width, q/k norms (replicated over TP)
+      cfg.head_dim_override = 6;
+      cfg.qk_norm = true;
+    }
     Transformer full(cfg, StageSpec{}, nullptr);
     full.params().init(5);
     for (int r = 0; r < 2; ++r) {

@@ -22,6 +22,10 @@ struct Param {
   // Same values on every TP rank (norm weights, row-parallel biases, position table). Their gradients
   // are partial sums under sequence parallelism and are reduced over TP; the grad norm counts them once.
   bool tp_replicated = true;
+  // Replicated over TP, but each TP rank's gradient covers only its own attention heads (Qwen3's q/k norm
+  // weights, shared by all heads): a partial sum over TP with or without sequence parallelism, reduced
+  // over TP by the optimizer (transformers' tp_plan calls this "replicated_with_grad_allreduce").
+  bool tp_partial_grad = false;
   bool weight_decay = false;  // matrices decay; norms and biases do not
   // False for a second copy of a parameter held elsewhere too (the tied embedding on the last pipeline
   // stage): the global grad norm counts each parameter once.

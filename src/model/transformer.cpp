@@ -71,6 +71,12 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, P
     qkv(pre + "attn.wk", KV * D, std, /*gpt2_bias=*/false);
     qkv(pre + "attn.wv", KV * D, std, true);
     row(pre + "attn.wo", H * D, proj_std);
+    if (!gpt2 && cfg_.qk_norm) {
+      // Qwen3: one (D) weight per projection shared by all heads, replicated over TP; each TP rank's
+      // gradient covers its own heads only, so it is a partial sum over TP (the optimizer reduces it).
+      for (const char* n : {"attn.q_norm.weight", "attn.k_norm.weight"})
+        params_.add(pre + n, {D}, InitKind::Ones, 0, false).tp_partial_grad = true;
+    }
     norm(pre + "mlp_norm");
     if (!cfg_.is_moe_layer(l)) {
       mlp(pre + "mlp.", F);
@@ -131,6 +137,25 @@ void Transformer::norm_forward(const std::string& prefix, const Tensor& x, Tenso
   }
 }
 
+void Transformer::head_norm_forward(const std::string& prefix, const Tensor& raw, Tensor& out, Tensor& rstd) {
+  const int64_t rows = raw.size(0) * raw.size(1), D = raw.size(2);
+  out = act(raw.shape());
+  rstd = stat({rows});
+  Tensor out2d = out.view({rows, D});
+  ops::rmsnorm_forward(out2d, rstd, raw.view({rows, D}), p(prefix + ".weight").compute_value(),
+                       static_cast<float>(cfg_.norm_eps));
+}
+
+Tensor Transformer::head_norm_backward(const std::string& prefix, const Tensor& dout, const Tensor& raw,
+                                       const Tensor& rstd) {
+  const int64_t rows = raw.size(0) * raw.size(1), D = raw.size(2);
+  Param& w = p(prefix + ".weight");
+  Tensor dx = act_zeros(raw.shape());  // rmsnorm_backward adds into it
+  Tensor dx2d = dx.view({rows, D});
+  ops::rmsnorm_backward(dx2d, w.grad, dout.view({rows, D}), raw.view({rows, D}), w.compute_value(), rstd);
+  return dx;
+}
+
 void Transformer::norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x,
                                 const Tensor& mean, const Tensor& rstd, const Tensor* dres) {
   Param& w = p(prefix + ".weight");
@@ -156,6 +181,12 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   ops::linear_forward(a.q, a.a_in, p(pre + "attn.wq.weight").compute_value(), bias(pre + "attn.wq.bias"));
   ops::linear_forward(a.k, a.a_in, p(pre + "attn.wk.weight").compute_value(), bias(pre + "attn.wk.bias"));
   ops::linear_forward(a.v, a.a_in, p(pre + "attn.wv.weight").compute_value(), bias(pre + "attn.wv.bias"));
+  if (!cfg_.is_gpt2() && cfg_.qk_norm) {  // Qwen3: per-head RMSNorm of q and k, before RoPE
+    a.q_raw = a.q;
+    a.k_raw = a.k;
+    head_norm_forward(pre + "attn.q_norm", a.q_raw, a.q, a.q_rstd);
+    head_norm_forward(pre + "attn.k_norm", a.k_raw, a.k, a.k_rstd);
+  }
   if (!cfg_.is_gpt2()) {
     ops::rope_forward(a.q, mb.positions, theta);
     ops::rope_forward(a.k, mb.positions, theta);
@@ -275,6 +306,10 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
   if (!cfg_.is_gpt2()) {
     ops::rope_backward(dq, mb.positions, theta);
     ops::rope_backward(dk, mb.positions, theta);
+  }
+  if (!cfg_.is_gpt2() && cfg_.qk_norm) {
+    dq = head_norm_backward(pre + "attn.q_norm", dq, a.q_raw, a.q_rstd);
+    dk = head_norm_backward(pre + "attn.k_norm", dk, a.k_raw, a.k_rstd);
   }
   Tensor da_in = act({T, C});
   bool first = true;

@@ -4,6 +4,7 @@
 // shapes: Hl = H/tp heads, KVl, Fl, Vl); pipeline parallelism through StageSpec (which layers, and
 // whether this stage owns the embedding and/or the head). Backward accumulates into Param::grad.
 //
+// D is the head width (ModelConfig::head_dim()); the attention width H*D need not equal C (Qwen3).
 // Data layout is THD: all sequences of a microbatch end to end, T tokens, with cu_seqlens.
 // Under sequence parallelism the residual stream holds this rank's Tl = T/tp tokens; otherwise Tl = T.
 #include <functional>
@@ -36,6 +37,9 @@ struct LayerActs {
   Tensor n1, n1_mean, n1_rstd;  // (Tl, C), (Tl), (Tl) attention norm
   Tensor a_in;                  // (T, C) attention input after `enter`
   Tensor q, k, v;               // (T, Hl, D), (T, KVl, D), (T, KVl, D), after RoPE
+  // model.qk_norm (Qwen3): the projections before the per-head RMSNorm and its statistics.
+  Tensor q_raw, k_raw;          // (T, Hl, D), (T, KVl, D)
+  Tensor q_rstd, k_rstd;        // (T * Hl), (T * KVl)
   Tensor att, lse;              // (T, Hl, D), (T, Hl)
   Tensor h;                     // (Tl, C) after the attention residual
   Tensor n2, n2_mean, n2_rstd;  // MLP norm
@@ -120,6 +124,11 @@ class Transformer {
   Tensor mlp_forward(const std::string& prefix, int64_t fl, LayerActs& a);
   Tensor mlp_backward(const std::string& prefix, int64_t fl, const Tensor& dout, LayerActs& a);
   void mlp_params(const std::string& prefix, int64_t width);
+  // model.qk_norm: RMSNorm over D of every head of raw (T, heads, D) with the weight prefix.weight (D),
+  // shared by the heads; out fresh (T, heads, D), rstd (T * heads). Backward: dx (T, heads, D) fresh.
+  void head_norm_forward(const std::string& prefix, const Tensor& raw, Tensor& out, Tensor& rstd);
+  Tensor head_norm_backward(const std::string& prefix, const Tensor& dout, const Tensor& raw,
+                            const Tensor& rstd);
   void norm_forward(const std::string& prefix, const Tensor& x, Tensor& out, Tensor& mean, Tensor& rstd);
   // dx += norm input gradient; with dres, dx = *dres + norm input gradient (dx fresh, not read).
   void norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x,

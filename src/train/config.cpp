@@ -104,12 +104,15 @@ const std::vector<KeyDef>& schema() {
       int_key("model.n_layers", 1, 4096, m(&M::n_layers)),
       int_key("model.n_heads", 1, 4096, m(&M::n_heads)),
       int_key("model.n_kv_heads", 0, 4096, m(&M::n_kv_heads)),
+      int_key("model.head_dim", 0, 1 << 16, m(&M::head_dim_override)),
       int_key("model.d_ff", 0, 1 << 22, m(&M::d_ff)),
       int_key("model.max_seq_len", 1, 1 << 24, m(&M::max_seq_len)),
       float_key("model.rope_theta", 1, kInf, m(&M::rope_theta)),
       float_key("model.norm_eps", 0, 1, m(&M::norm_eps)),
       int_key("model.tie_embeddings", -1, 1, m(&M::tie_embeddings)),
       float_key("model.init_std", 0, 10, m(&M::init_std)),
+      bool_key("model.qkv_bias", m(&M::qkv_bias)),
+      bool_key("model.qk_norm", m(&M::qk_norm)),
       int_key("model.moe.num_experts", 0, 65536, moe(&MoeConfig::num_experts)),
       int_key("model.moe.top_k", 1, 65536, moe(&MoeConfig::top_k)),
       int_key("model.moe.d_ff_expert", 0, 1 << 22, moe(&MoeConfig::d_ff_expert)),
@@ -118,7 +121,6 @@ const std::vector<KeyDef>& schema() {
       int_key("model.moe.every", 1, 4096, moe(&MoeConfig::every)),
       str_key("model.moe.router", {"softmax", "sigmoid"}, moe(&MoeConfig::router)),
       bool_key("model.moe.renormalize", moe(&MoeConfig::renormalize)),
-      bool_key("model.qkv_bias", m(&M::qkv_bias)),
       float_key("model.moe.aux_loss_coef", 0, kInf, moe(&MoeConfig::aux_loss_coef)),
       float_key("model.moe.z_loss_coef", 0, kInf, moe(&MoeConfig::z_loss_coef)),
       float_key("model.moe.bias_update_rate", 0, kInf, moe(&MoeConfig::bias_update_rate)),
@@ -699,8 +701,11 @@ Status validate_config(const Config& c) {
   if (m.tie_embeddings < -1 || m.tie_embeddings > 1)
     return errf("model.tie_embeddings must be -1, 0 or 1, got {}", m.tie_embeddings);
 
-  if (m.d_model % m.n_heads != 0)
-    return errf("model.d_model ({}) must be divisible by model.n_heads ({})", m.d_model, m.n_heads);
+  if (m.head_dim_override < 0) return errf("model.head_dim must be >= 0, got {}", m.head_dim_override);
+  // An explicit head width decouples the attention width H*D from d_model; without one D = C / H.
+  if (m.head_dim_override == 0 && m.d_model % m.n_heads != 0)
+    return errf("model.d_model ({}) must be divisible by model.n_heads ({}) (or set model.head_dim)",
+                m.d_model, m.n_heads);
   if (m.n_heads % m.kv_heads() != 0)
     return errf("model.n_heads ({}) must be divisible by model.n_kv_heads ({})", m.n_heads, m.kv_heads());
   if (m.style == "gpt2" && m.n_kv_heads != 0 && m.n_kv_heads != m.n_heads)
@@ -708,9 +713,11 @@ Status validate_config(const Config& c) {
                 m.n_heads);
   if (m.style == "gpt2" && m.qkv_bias)
     return errf("model.qkv_bias is for style llama (style gpt2 has its own q and v biases)");
+  if (m.style == "gpt2" && m.qk_norm)
+    return errf("model.qk_norm is for style llama (Qwen3's q/k RMSNorm; style gpt2 uses LayerNorm)");
   if (m.style == "llama" && m.head_dim() % 2 != 0)
-    return errf("model.d_model / model.n_heads = {} must be even for style llama (RoPE rotates pairs)",
-                m.head_dim());
+    return errf("the head dim {} ({}) must be even for style llama (RoPE rotates pairs)", m.head_dim(),
+                m.head_dim_override > 0 ? "model.head_dim" : "model.d_model / model.n_heads");
   if (d.seq_len > m.max_seq_len)
     return errf("data.seq_len ({}) must be <= model.max_seq_len ({})", d.seq_len, m.max_seq_len);
   if (const MoeConfig& e = m.moe; e.enabled()) {
@@ -765,11 +772,17 @@ Status validate_config(const Config& c) {
     return errf("train.precision must be auto, fp32 or bf16, got '{}'", t.precision);
   if (t.device == "cpu" && t.precision == "bf16")
     return errf("train.precision bf16 needs train.device cuda (the CPU engine computes in fp32)");
-  if (t.device == "cuda" && m.head_dim() != 64 && m.head_dim() != 128)
+  if (t.device == "cuda" && m.head_dim() != 64 && m.head_dim() != 128) {
+    if (m.head_dim_override > 0)
+      return errf(
+          "train.device cuda needs a head dim of 64 or 128 (the GPU attention kernels), got model.head_dim = "
+          "{}",
+          m.head_dim());
     return errf(
         "train.device cuda needs a head dim of 64 or 128 (the GPU attention kernels), got model.d_model / "
         "model.n_heads = {} / {} = {}",
         m.d_model, m.n_heads, m.head_dim());
+  }
 #ifndef NDT_HAVE_CUDA
   if (t.device == "cuda")
     return errf(
@@ -866,6 +879,8 @@ std::string config_to_yaml(const Config& c) {
     std::string note;
     if (name == "model.n_kv_heads" && c.model.n_kv_heads == 0)
       note = fmt::format("  # = {}", c.model.kv_heads());
+    if (name == "model.head_dim" && c.model.head_dim_override == 0 && c.model.n_heads > 0)
+      note = fmt::format("  # = {}", c.model.head_dim());
     if (name == "model.d_ff" && c.model.d_ff == 0) note = fmt::format("  # = {}", c.model.ffn_dim());
     if (name == "model.moe.d_ff_expert" && c.model.moe.enabled() && c.model.moe.d_ff_expert == 0)
       note = fmt::format("  # = {}", c.model.expert_ffn_dim());

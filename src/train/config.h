@@ -36,12 +36,17 @@ struct ModelConfig {
   int64_t n_layers = 2;         // L
   int64_t n_heads = 4;          // H
   int64_t n_kv_heads = 0;       // KV; 0 means = n_heads
-  int64_t d_ff = 0;             // MLP hidden; 0 means 4*C (gpt2) or the Llama rule 8C/3 rounded up to 32
-  int64_t max_seq_len = 256;    // learned-position table size (gpt2) and the longest sequence accepted
+  // D, the width of one attention head (config key model.head_dim; read it through head_dim()). 0 means
+  // d_model / n_heads; otherwise q/k/v project C -> H*D (or KV*D) and the output projection H*D -> C,
+  // with H*D free to differ from C (Qwen3, Gemma).
+  int64_t head_dim_override = 0;
+  int64_t d_ff = 0;           // MLP hidden; 0 means 4*C (gpt2) or the Llama rule 8C/3 rounded up to 32
+  int64_t max_seq_len = 256;  // learned-position table size (gpt2) and the longest sequence accepted
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   int tie_embeddings = -1;  // -1: style default (gpt2 tied, llama untied); 0/1 force
   bool qkv_bias = false;    // style llama: biases on the q, k and v projections (Qwen2)
+  bool qk_norm = false;     // style llama: per-head RMSNorm of q and k over D before RoPE (Qwen3)
   double init_std = 0.02;
   MoeConfig moe;
   // Set in code by the vision encoder (not config keys): a prefix of every layer's parameter names
@@ -49,7 +54,7 @@ struct ModelConfig {
   std::string param_prefix;
   bool causal = true;
   // Derived, filled by finalize(): head_dim, effective kv heads / d_ff / tying.
-  int64_t head_dim() const { return d_model / n_heads; }
+  int64_t head_dim() const { return head_dim_override > 0 ? head_dim_override : d_model / n_heads; }
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int64_t ffn_dim() const;
   bool tied() const { return tie_embeddings < 0 ? style == "gpt2" : tie_embeddings != 0; }
@@ -214,8 +219,9 @@ struct Config {
 Result<Config> load_config(const std::string& path, const std::vector<std::string>& overrides);
 Result<Config> parse_config_string(const std::string& yaml_text, const std::vector<std::string>& overrides,
                                    const std::string& source_name = "<string>");
-// Cross-field checks (d_model % n_heads, n_heads % kv_heads, seq_len <= max_seq_len, batch divides,
-// vocab >= tokenizer vocab is checked later by whoever knows the tokenizer). Called by the parsers.
+// Cross-field checks (d_model % n_heads unless model.head_dim is set, n_heads % kv_heads, seq_len <=
+// max_seq_len, batch divides, vocab >= tokenizer vocab is checked later by whoever knows the tokenizer).
+// Called by the parsers.
 Status validate_config(const Config& c);
 // Round-trips the effective config (for logs and checkpoints).
 std::string config_to_yaml(const Config& c);

@@ -1,7 +1,7 @@
 #pragma once
-// Pieces shared by the Hugging Face families (hf_interop.cpp: Llama / Mixtral; hf_gpt2.cpp: GPT-2): reading a
-// directory's weights (one model.safetensors or an index and its shards) and writing config.json plus the
-// weights (bf16 and sharding options). Internal to train/.
+// Pieces shared by the Hugging Face families (hf_interop.cpp: Llama / Mixtral / Qwen2 / Qwen3; hf_gpt2.cpp:
+// GPT-2): reading a directory's weights (one model.safetensors or an index and its shards) and writing
+// config.json plus the weights (bf16 and sharding options). Internal to train/.
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>

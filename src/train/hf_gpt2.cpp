@@ -41,6 +41,10 @@ Status export_hf_gpt2(const std::string& out_dir, const ModelConfig& cfg,
     return Status::error(
         fmt::format("export_hf: GPT-2 has no grouped-query attention (model.n_kv_heads {} != n_heads {})",
                     cfg.kv_heads(), cfg.n_heads));
+  if (cfg.head_dim() * cfg.n_heads != cfg.d_model)
+    return Status::error(fmt::format(
+        "export_hf: GPT-2's head width is n_embd / n_head (model.head_dim {} * n_heads {} != d_model {})",
+        cfg.head_dim(), cfg.n_heads, cfg.d_model));
   std::map<std::string, const Tensor*> p;
   for (const auto& [name, t] : full_params) p[name] = &t;
   std::set<std::string> used;

@@ -49,6 +49,10 @@ std::vector<Expected> expected_params(const ModelConfig& cfg) {
     one(o + "attn.wv.weight", h + "self_attn.v_proj.weight", {KV * D, C});
     if (cfg.qkv_bias) one(o + "attn.wv.bias", h + "self_attn.v_proj.bias", {KV * D});
     one(o + "attn.wo.weight", h + "self_attn.o_proj.weight", {C, H * D});
+    if (cfg.qk_norm) {  // Qwen3
+      one(o + "attn.q_norm.weight", h + "self_attn.q_norm.weight", {D});
+      one(o + "attn.k_norm.weight", h + "self_attn.k_norm.weight", {D});
+    }
     one(o + "mlp_norm.weight", h + "post_attention_layernorm.weight", {C});
     if (!cfg.is_moe_layer(l)) {
       one(o + "mlp.w1.weight", h + "mlp.gate_proj.weight", {F, C});
@@ -85,6 +89,8 @@ const std::map<std::string, std::string>& layer_map() {
       {"attn.wk.bias", "self_attn.k_proj.bias"},
       {"attn.wv.bias", "self_attn.v_proj.bias"},
       {"attn.wo.weight", "self_attn.o_proj.weight"},
+      {"attn.q_norm.weight", "self_attn.q_norm.weight"},
+      {"attn.k_norm.weight", "self_attn.k_norm.weight"},
       {"mlp_norm.weight", "post_attention_layernorm.weight"},
       {"mlp.w1.weight", "mlp.gate_proj.weight"},
       {"mlp.w3.weight", "mlp.up_proj.weight"},
@@ -141,9 +147,10 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
   if (cfg.style != "llama")
     return Status::error(
         fmt::format("export_hf: style {} has no Hugging Face counterpart (llama and gpt2 do)", cfg.style));
-  if (cfg.n_heads <= 0 || cfg.d_model % cfg.n_heads != 0)
+  if (cfg.n_heads <= 0 || (cfg.head_dim_override == 0 && cfg.d_model % cfg.n_heads != 0))
     return Status::error(
-        fmt::format("export_hf: d_model {} is not a multiple of n_heads {}", cfg.d_model, cfg.n_heads));
+        fmt::format("export_hf: d_model {} is not a multiple of n_heads {} (and no model.head_dim)",
+                    cfg.d_model, cfg.n_heads));
   const bool moe = cfg.moe.enabled();
   if (moe) {
     const std::string problem = mixtral_export_problem(cfg);
@@ -154,8 +161,17 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
     return Status::error(
         "export_hf: model.qkv_bias with model.moe has no Hugging Face counterpart here "
         "(Qwen2 is dense, Mixtral has no biases)");
-  const bool qwen2 = cfg.qkv_bias;
-  const char* arch = moe ? "Mixtral" : qwen2 ? "Qwen2" : "Llama";
+  if (cfg.qk_norm && moe)
+    return Status::error(
+        "export_hf: model.qk_norm with model.moe has no Hugging Face counterpart here (Qwen3 is dense; "
+        "Qwen3-MoE is not supported)");
+  if (cfg.qk_norm && cfg.qkv_bias)
+    return Status::error(
+        "export_hf: model.qk_norm with model.qkv_bias has no Hugging Face counterpart (Qwen3's "
+        "attention_bias "
+        "also adds an o_proj bias, which we do not have)");
+  const bool qwen2 = cfg.qkv_bias, qwen3 = cfg.qk_norm;
+  const char* arch = moe ? "Mixtral" : qwen3 ? "Qwen3" : qwen2 ? "Qwen2" : "Llama";
   std::map<std::string, Tensor> given;
   for (const auto& [name, t] : full_params) {
     if (!given.emplace(name, t).second)
@@ -187,8 +203,8 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
         fmt::format("export_hf: parameter {} has no Hugging Face {} counterpart{}", given.begin()->first,
                     arch, given.begin()->first == "lm_head.weight" ? " (the config says tied)" : ""));
   nlohmann::ordered_json c;
-  c["architectures"] = {moe ? "MixtralForCausalLM" : qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
-  c["model_type"] = moe ? "mixtral" : qwen2 ? "qwen2" : "llama";
+  c["architectures"] = {std::string(arch) + "ForCausalLM"};
+  c["model_type"] = moe ? "mixtral" : qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama";
   c["hidden_size"] = cfg.d_model;
   // Mixtral: the width of one expert (there is no dense MLP).
   c["intermediate_size"] = moe ? cfg.expert_ffn_dim() : cfg.ffn_dim();
@@ -204,6 +220,10 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
   c["hidden_act"] = "silu";
   if (qwen2) {  // q/k/v biases are Qwen2's own, no key needed; full attention in every layer
     c["use_sliding_window"] = false;
+  } else if (qwen3) {  // q/k norms are Qwen3's own; no biases (attention_bias would add q/k/v/o biases)
+    c["attention_bias"] = false;
+    c["use_sliding_window"] = false;
+    c["sliding_window"] = nullptr;
   } else {
     c["attention_bias"] = false;
     c["mlp_bias"] = false;
@@ -234,7 +254,7 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     return import_hf_gpt2(dir, c);
   ModelConfig cfg;
   cfg.style = "llama";
-  bool mixtral = false, qwen2 = false;
+  bool mixtral = false, qwen2 = false, qwen3 = false;
   std::string key;
   try {
     auto need_int = [&](const char* k) -> int64_t {
@@ -247,13 +267,14 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     key = "model_type";
     if (c.contains("model_type")) {
       const std::string mt = c["model_type"].get<std::string>();
-      if (mt != "llama" && mt != "mixtral" && mt != "qwen2")
-        return Status::error(fmt::format(
-            "import_hf: '{}': model_type is \"{}\", only \"llama\", \"mixtral\", \"qwen2\" and \"gpt2\" are "
-            "supported",
-            cpath, mt));
+      if (mt != "llama" && mt != "mixtral" && mt != "qwen2" && mt != "qwen3")
+        return Status::error(
+            fmt::format("import_hf: '{}': model_type is \"{}\", only \"llama\", \"mixtral\", \"qwen2\", "
+                        "\"qwen3\" and \"gpt2\" are supported",
+                        cpath, mt));
       mixtral = mt == "mixtral";
       qwen2 = mt == "qwen2";
+      qwen3 = mt == "qwen3";
     } else if (c.contains("architectures")) {
       key = "architectures";
       for (const auto& a : c["architectures"])
@@ -261,6 +282,8 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
           mixtral = true;
         else if (a.get<std::string>() == "Qwen2ForCausalLM")
           qwen2 = true;
+        else if (a.get<std::string>() == "Qwen3ForCausalLM")
+          qwen3 = true;
     }
     cfg.d_model = need_int("hidden_size");
     cfg.d_ff = need_int("intermediate_size");
@@ -270,12 +293,14 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     cfg.n_kv_heads = c.contains("num_key_value_heads") && !c["num_key_value_heads"].is_null()
                          ? need_int("num_key_value_heads")
                          : cfg.n_heads;
-    // Absent keys take the transformers config class's defaults (LlamaConfig / MixtralConfig / Qwen2Config).
+    // Absent keys take the transformers config class's defaults (LlamaConfig / MixtralConfig / Qwen2Config /
+    // Qwen3Config).
     cfg.max_seq_len = c.contains("max_position_embeddings") ? need_int("max_position_embeddings")
-                                                            : (mixtral ? 4096 * 32
-                                                               : qwen2 ? 32768
-                                                                       : 2048);
+                                                            : (mixtral          ? 4096 * 32
+                                                               : qwen2 || qwen3 ? 32768
+                                                                                : 2048);
     cfg.qkv_bias = qwen2;
+    cfg.qk_norm = qwen3;
     key = "rms_norm_eps";
     cfg.norm_eps = c.value("rms_norm_eps", mixtral ? 1e-5 : 1e-6);
     key = "rope_theta";
@@ -289,14 +314,22 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
       return Status::error(fmt::format("import_hf: '{}': hidden_act \"{}\" is not supported (only silu)",
                                        cpath, c["hidden_act"].get<std::string>()));
     key = "use_sliding_window";
-    if (qwen2 && c.value("use_sliding_window", false))
+    if ((qwen2 || qwen3) && c.value("use_sliding_window", false))
       return Status::error(fmt::format(
           "import_hf: '{}': \"use_sliding_window\": true is not supported: attention is full causal", cpath));
+    key = "layer_types";
+    if (c.contains("layer_types") && !c["layer_types"].is_null())
+      for (const auto& t : c["layer_types"])
+        if (t.get<std::string>() != "full_attention")
+          return Status::error(fmt::format(
+              "import_hf: '{}': layer_types \"{}\" is not supported: attention is full causal in every layer",
+              cpath, t.get<std::string>()));
     for (const char* k : {"attention_bias", "mlp_bias"}) {
       key = k;
       if (!qwen2 && c.value(k, false))
-        return Status::error(
-            fmt::format("import_hf: '{}': \"{}\": true is not supported (no biases)", cpath, k));
+        return Status::error(fmt::format("import_hf: '{}': \"{}\": true is not supported (no biases{})",
+                                         cpath, k,
+                                         qwen3 ? "; Qwen3's attention_bias also adds an o_proj bias" : ""));
     }
     key = "rope_scaling";
     if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
@@ -312,16 +345,25 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
             cpath, type));
       if (rp.contains("rope_theta")) cfg.rope_theta = rp["rope_theta"].get<double>();
     }
-    if (cfg.d_model % cfg.n_heads != 0 || cfg.n_heads % cfg.n_kv_heads != 0)
+    // The head width: config.json's head_dim where given (it may differ from hidden_size /
+    // num_attention_heads: Qwen3-0.6B has 1024 / 16 with head_dim 128); absent, Qwen3Config's default 128,
+    // the other families' hidden_size / num_attention_heads. Kept as model.head_dim only where it differs.
+    key = "head_dim";
+    int64_t head_dim = 0;
+    if (c.contains("head_dim") && !c["head_dim"].is_null())
+      head_dim = need_int("head_dim");
+    else if (qwen3)
+      head_dim = 128;
+    if ((head_dim == 0 && cfg.d_model % cfg.n_heads != 0) || cfg.n_heads % cfg.n_kv_heads != 0)
       return Status::error(
           fmt::format("import_hf: '{}': hidden_size {} / num_attention_heads {} / num_key_value_heads {} are "
                       "inconsistent",
                       cpath, cfg.d_model, cfg.n_heads, cfg.n_kv_heads));
-    key = "head_dim";
-    if (c.contains("head_dim") && !c["head_dim"].is_null() && c["head_dim"].get<int64_t>() != cfg.head_dim())
-      return Status::error(
-          fmt::format("import_hf: '{}': head_dim {} differs from hidden_size / num_attention_heads = {}",
-                      cpath, c["head_dim"].get<int64_t>(), cfg.head_dim()));
+    if (head_dim > 0 && !(cfg.d_model % cfg.n_heads == 0 && head_dim == cfg.d_model / cfg.n_heads))
+      cfg.head_dim_override = head_dim;
+    if (cfg.head_dim() % 2 != 0)
+      return Status::error(fmt::format("import_hf: '{}': head_dim {} must be even (RoPE rotates pairs)",
+                                       cpath, cfg.head_dim()));
     if (mixtral) {
       // Mixtral: every layer is MoE; softmax router over all experts, top-k, gates renormalized.
       MoeConfig& m = cfg.moe;
@@ -396,6 +438,7 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     return Status::error(
         fmt::format("import_hf: '{}': unexpected tensor {} (not part of a {} with this config)", mpath, n,
                     mixtral ? "Mixtral"
+                    : qwen3 ? "Qwen3"
                     : qwen2 ? "Qwen2"
                             : "plain Llama"));
   }

@@ -1,6 +1,7 @@
 #pragma once
-// Hugging Face Llama / Mixtral / GPT-2 interop (docs/checkpoints.md): export a full (unsharded) model as a
-// LlamaForCausalLM directory, an MoE model as a MixtralForCausalLM one, a style gpt2 model as a
+// Hugging Face Llama / Mixtral / Qwen2 / Qwen3 / GPT-2 interop (docs/checkpoints.md): export a full
+// (unsharded) model as a LlamaForCausalLM directory, an MoE model as a MixtralForCausalLM one, one with
+// model.qkv_bias as Qwen2ForCausalLM, one with model.qk_norm as Qwen3ForCausalLM, a style gpt2 model as a
 // GPT2LMHeadModel one (config.json + weights, train/hf_gpt2.cpp), and import any of them back under our
 // names. Our RoPE is rotate-half, the same
 // convention as HF's modeling_llama, so q/k weights map 1:1 with no permutation. Our stacked expert
@@ -39,9 +40,10 @@ Status export_hf(const std::string& out_dir, const ModelConfig& cfg,
                  const HfExportOptions& opts = {});
 
 // Reads dir/config.json + dir/model.safetensors, or the shards named by dir/model.safetensors.index.json
-// (plain file names inside dir: a path elsewhere is refused), F32 or BF16 (converted to F32), of a llama
-// or mixtral model_type: returns the ModelConfig (cfg.moe filled for Mixtral) and full tensors under OUR
-// names, in our registration order (per-expert tensors stacked). Errors name the file and the key/tensor.
+// (plain file names inside dir: a path elsewhere is refused), F32 or BF16 (converted to F32), of a llama,
+// mixtral, qwen2, qwen3 or gpt2 model_type: returns the ModelConfig (cfg.moe filled for Mixtral) and full
+// tensors under OUR names, in our registration order (per-expert tensors stacked). Errors name the file and
+// the key/tensor.
 Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> import_hf(const std::string& dir);
 
 }  // namespace ndt

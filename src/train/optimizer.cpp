@@ -140,9 +140,10 @@ double Optimizer::reduce_grads() {
   Tensor& flat = params_.flat_grads();
   const bool tp_active = active(c_.tp);
   for (auto& wait : early_waits_) wait();  // DP reductions started under backward (reduce_early)
-  if (c_.sequence_parallel && tp_active) {
+  if (tp_active) {
     for (auto& p : params_.all())
-      if (p->tp_replicated) c_.tp->all_reduce(p->grad.data_ptr(), p->numel(), DType::F32, ReduceOp::Sum);
+      if (p->tp_replicated && (c_.sequence_parallel || p->tp_partial_grad))
+        c_.tp->all_reduce(p->grad.data_ptr(), p->numel(), DType::F32, ReduceOp::Sum);
   }
   std::sort(early_ranges_.begin(), early_ranges_.end());
   for (Region& r : regions_) {

@@ -2,7 +2,8 @@
 // AdamW over a ParamStore's flat buffers, with optional ZeRO-1 (optimizer state sharded over DP).
 //
 // Gradient flow of one step (grads hold the local sum over microbatches, already scaled by 1/N):
-//   1. sync_tp_replicated: under sequence parallelism, replicated params' grads are TP partial sums.
+//   1. sync_tp_replicated: replicated params' grads are TP partial sums under sequence parallelism, those
+//      marked tp_partial_grad (computed from this rank's heads) always: all-reduced over TP.
 //   2. plain DP: all-reduce grads over DP (in buckets).     ZeRO-1: reduce-scatter grads over DP.
 //   3. global grad norm over all shards (TP-replicated params counted once), clip.
 //   4. AdamW on what this rank owns; ZeRO-1 all-gathers the updated parameters.

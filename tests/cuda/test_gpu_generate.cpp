@@ -20,9 +20,14 @@ namespace {
 std::vector<GenOutput> run(const std::string& style, const std::string& device, const std::string& precision,
                            double temperature, int64_t top_k, std::vector<int32_t> stop) {
   Config cfg;
-  cfg.model = testing::tiny_model(style);
+  cfg.model = testing::tiny_model(style == "qwen3" ? "llama" : style);
   cfg.model.max_seq_len = 64;
   cfg.model.d_model = 256;  // head dim 64: what the CUDA attention kernels take
+  if (style == "qwen3") {   // q/k norms; 4 heads of 64 on d_model 128 (H*D = 2C)
+    cfg.model.d_model = 128;
+    cfg.model.head_dim_override = 64;
+    cfg.model.qk_norm = true;
+  }
   cfg.model.d_ff = 64;
   cfg.model.init_std = 0.05;
   cfg.train.device = device;
@@ -54,7 +59,7 @@ std::vector<GenOutput> run(const std::string& style, const std::string& device, 
 
 TEST(GpuGenerate, SameTokensAsTheCpuInFp32) {
   NDT_REQUIRE_GPU();
-  for (const char* style : {"llama", "gpt2"})
+  for (const char* style : {"llama", "gpt2", "qwen3"})
     for (const auto& [temp, k] : std::vector<std::pair<double, int64_t>>{{0.0, 0}, {1.0, 0}, {0.8, 7}}) {
       SCOPED_TRACE(::testing::Message() << style << " T " << temp << " k " << k);
       const auto cpu = run(style, "cpu", "fp32", temp, k, {});

@@ -59,11 +59,12 @@ double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 struct Case {
+  std::string name;
   std::string style;
   std::vector<std::string> extra;
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.style << (c.extra.empty() ? "" : " packed"); }
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 class GpuTrain : public ::testing::TestWithParam<Case> {};
 
@@ -114,13 +115,14 @@ TEST(GpuTrainRecompute, SameLossesAsStoring) {
   EXPECT_LT(b.peak_mem_gib, a.peak_mem_gib);
 }
 
-INSTANTIATE_TEST_SUITE_P(Styles, GpuTrain,
-                         ::testing::Values(Case{"gpt2", {}}, Case{"llama", {}},
-                                           Case{"llama", {"data.packing=true", "data.min_seq_len=8"}},
-                                           Case{"gpt2", {"data.packing=true", "data.min_seq_len=8"}}),
-                         [](const auto& info) {
-                           return info.param.style + (info.param.extra.empty() ? "" : "_packed");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Styles, GpuTrain,
+    ::testing::Values(Case{"gpt2", "gpt2", {}}, Case{"llama", "llama", {}},
+                      Case{"llama_packed", "llama", {"data.packing=true", "data.min_seq_len=8"}},
+                      Case{"gpt2_packed", "gpt2", {"data.packing=true", "data.min_seq_len=8"}},
+                      // Qwen3: q/k norms, 2 heads of 128 on d_model 128 (H*D = 2C)
+                      Case{"qwen3", "llama", {"model.head_dim=128", "model.qk_norm=true"}}),
+    [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace ndt
