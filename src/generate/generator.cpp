@@ -92,6 +92,7 @@ struct Generator::Impl {
       float* d = out.f32() + r * Vl;
 #ifdef NDT_HAVE_CUDA
       if (out.device() == Device::CUDA) {
+        const size_t row = static_cast<size_t>(Vl) * sizeof(float);
         cuda::copy_d2d_2d(d, static_cast<size_t>(V) * sizeof(float), src, row, row, static_cast<size_t>(n));
         continue;
       }
