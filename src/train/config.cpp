@@ -797,6 +797,10 @@ Status validate_config(const Config& c) {
   }
   if (t.global_batch % p.dp != 0)
     return errf("train.global_batch ({}) must be divisible by parallel.dp ({})", t.global_batch, p.dp);
+  // (Checked first so that dp * micro_batch below cannot overflow.)
+  if (t.micro_batch > t.global_batch / p.dp)
+    return errf("train.micro_batch ({}) must be <= train.global_batch / parallel.dp ({} / {} = {})",
+                t.micro_batch, t.global_batch, p.dp, t.global_batch / p.dp);
   if (t.micro_batch > 0 && t.global_batch % (p.dp * t.micro_batch) != 0)
     return errf("train.global_batch ({}) must be divisible by parallel.dp * train.micro_batch ({} * {} = {})",
                 t.global_batch, p.dp, t.micro_batch, p.dp * t.micro_batch);
