@@ -316,6 +316,12 @@ TEST(CheckpointRotation, KeepLastAndLatest) {
   // keep_last = 0 keeps everything.
   ASSERT_TRUE(save_checkpoint(dir, a->params(), Tensor(), Tensor(), meta_for(50), true, 0, *comm));
   EXPECT_TRUE(fs::exists(dir + "/step-00000030"));
+  // A directory whose step number does not fit an int64 is not a checkpoint of ours: rotation leaves it
+  // (std::stoll threw std::out_of_range on it, ending the save).
+  fs::create_directories(dir + "/step-99999999999999999999");
+  ASSERT_TRUE(save_checkpoint(dir, a->params(), Tensor(), Tensor(), meta_for(60), true, 2, *comm));
+  EXPECT_TRUE(fs::exists(dir + "/step-99999999999999999999"));
+  EXPECT_TRUE(fs::exists(dir + "/step-00000060/index.json"));
 }
 
 TEST(CheckpointCrash, KillDuringSaveLeavesPreviousCheckpoint) {

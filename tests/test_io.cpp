@@ -1,4 +1,6 @@
-// Run-output IO: safetensors (round trip, format details, corruption), metrics.jsonl, SVG loss curve.
+// Run-output IO: safetensors (round trip, format details, corruption), token shard headers, metrics.jsonl,
+// SVG loss curve; and regressions found by fuzzing (tests/fuzz): tokenizer files, config.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -386,8 +388,19 @@ TEST(FuzzRegression, ConfigMicroBatchOverflowRefused) {
   auto c = ndt::parse_config_string("", {"parallel.dp=4", "train.micro_batch=4611686018427387904"});
   ASSERT_FALSE(c.is_ok());
   EXPECT_HAS(c.status().message(), "train.micro_batch (4611686018427387904) must be <= train.global_batch");
-  c = ndt::parse_config_string("", {"parallel.dp=1048576", "train.global_batch=1048576",
-                                    "train.micro_batch=17592186044416"});
+  c = ndt::parse_config_string(
+      "", {"parallel.dp=1048576", "train.global_batch=1048576", "train.micro_batch=17592186044416"});
   ASSERT_FALSE(c.is_ok());
-  EXPECT_HAS(c.status().message(), "train.micro_batch (17592186044416) must be <= train.global_batch / parallel.dp");
+  EXPECT_HAS(c.status().message(),
+             "train.micro_batch (17592186044416) must be <= train.global_batch / parallel.dp");
+}
+
+// A "billion laughs" YAML document (each mapping aliases the previous one twice: 2^40 paths in 40 lines) was
+// flattened path by path: a hang. Flattening now stops after 100000 nodes.
+TEST(FuzzRegression, ConfigYamlAliasBombRefused) {
+  std::string yaml = "l0: &l0 {a: 1, b: 2}\n";
+  for (int i = 1; i < 40; ++i) yaml += fmt::format("l{}: &l{} {{p: *l{}, q: *l{}}}\n", i, i, i - 1, i - 1);
+  auto c = ndt::parse_config_string(yaml, {}, "bomb.yaml");
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_HAS(c.status().message(), "config bomb.yaml has more than 100000 keys (nested aliases?)");
 }

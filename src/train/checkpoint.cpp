@@ -433,7 +433,10 @@ Status publish_checkpoint(const std::string& dir_in, const std::string& tmp_dir,
       const std::string fn = e.path().filename().string();
       if (!e.is_directory() || fn.size() < 13 || fn.rfind("step-", 0) != 0) continue;
       const std::string digits = fn.substr(5);
-      if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+      // (At most 18 digits: std::stoll throws on a name like step-99999999999999999999.)
+      if (digits.size() > 18 ||
+          !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        continue;
       steps.emplace_back(std::stoll(digits), e.path());
     }
     std::sort(steps.begin(), steps.end());
