@@ -22,12 +22,12 @@ ALL_TARGETS=$(ls tests/fuzz/fuzz_*.cpp | sed 's|.*/fuzz_||; s|\.cpp$||' | tr '\n
 TARGETS=${FUZZ_TARGETS:-$ALL_TARGETS}
 
 start=$(date +%s)
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
   -DNDT_CUDA=OFF -DNDT_FUZZ=ON -DNDT_BUILD_TESTS=OFF >/dev/null
 ninja -C "$BUILD" -j"$JOBS" $(for t in $TARGETS; do echo "fuzz_$t"; done)
 built=$(date +%s)
-echo "fuzz.sh: built in $((built - start)) s; fuzzing ${TARGETS}for ${FUZZ_SECONDS} s each, $FUZZ_JOBS at a time"
+echo "fuzz.sh: built in $((built - start)) s; fuzzing ${TARGETS% } for ${FUZZ_SECONDS} s each, $FUZZ_JOBS at a time"
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/ndt_fuzz.XXXXXX")
 trap 'rm -rf "$work"' EXIT
