@@ -316,6 +316,12 @@ TEST(CheckpointRotation, KeepLastAndLatest) {
   // keep_last = 0 keeps everything.
   ASSERT_TRUE(save_checkpoint(dir, a->params(), Tensor(), Tensor(), meta_for(50), true, 0, *comm));
   EXPECT_TRUE(fs::exists(dir + "/step-00000030"));
+  // A directory whose step number does not fit an int64 is not a checkpoint of ours: rotation leaves it
+  // (std::stoll threw std::out_of_range on it, ending the save).
+  fs::create_directories(dir + "/step-99999999999999999999");
+  ASSERT_TRUE(save_checkpoint(dir, a->params(), Tensor(), Tensor(), meta_for(60), true, 2, *comm));
+  EXPECT_TRUE(fs::exists(dir + "/step-99999999999999999999"));
+  EXPECT_TRUE(fs::exists(dir + "/step-00000060/index.json"));
 }
 
 TEST(CheckpointCrash, KillDuringSaveLeavesPreviousCheckpoint) {
@@ -457,6 +463,97 @@ TEST_F(CheckpointBadInput, MomentsAbsent) {
   EXPECT_TRUE(load_checkpoint(step_, model_->params(), nullptr, nullptr));
   expect_has(load_error(testing::tiny_model("llama"), /*moments=*/true),
              {"index.json", "optimizer state", "embed.tokens.weight"});
+}
+
+// Shard file names in an index must be plain names inside the step directory: "../x", an absolute path, "."
+// or ".." would read files elsewhere.
+TEST_F(CheckpointBadInput, ShardFileOutsideStepDirRefused) {
+  const nlohmann::json good = read_json(step_ + "/index.json");
+  for (const std::string file : {"../shard-0.safetensors", "/etc/passwd", "..", ".",
+                                 "sub/shard-0.safetensors", "..\\shard-0.safetensors", ""}) {
+    nlohmann::json idx = good;
+    idx["tensors"]["layers.0.attn_norm.weight"]["slices"][0]["file"] = file;
+    std::ofstream(step_ + "/index.json", std::ios::trunc) << idx.dump();
+    auto meta = read_checkpoint_meta(step_);
+    ASSERT_FALSE(meta) << file;
+    expect_has(meta.status().message(),
+               {"index.json", "layers.0.attn_norm.weight", "bad shard file name '" + file + "'"});
+    expect_has(load_error(testing::tiny_model("llama")), {"bad shard file name"});
+  }
+  // The `latest` pointer of a checkpoint directory likewise names a step directory inside it.
+  for (const std::string name : {"..", ".", "../ckpt/step-00000001", "/tmp"}) {
+    std::ofstream(tmp_->str("ckpt/latest"), std::ios::trunc) << name << "\n";
+    auto r = resolve_checkpoint(tmp_->str("ckpt"));
+    ASSERT_FALSE(r) << name;
+    expect_has(r.status().message(), {"latest", "does not name a step directory"});
+  }
+}
+
+// Absurd sizes and non-integer numbers in an index are refused with a message, before any arithmetic on
+// them (found by fuzzing: an offset near INT64_MAX overflowed `offset + extent`; a float shard_dim of 1e300
+// was an out-of-range conversion; a slice list with a short shape read past its end).
+TEST_F(CheckpointBadInput, AbsurdIndexValuesRefused) {
+  const nlohmann::json good = read_json(step_ + "/index.json");
+  const std::string t = "layers.1.attn.wq.weight";
+  struct Case {
+    std::string what;
+    std::function<void(nlohmann::json&)> edit;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {"offset overflow",
+       [&](nlohmann::json& j) {
+         auto& s = j["tensors"][t]["slices"][0];
+         s["shard_dim"] = 0;
+         s["offset"] = INT64_MAX - 2;
+       },
+       "is outside the global extent"},
+      {"negative global dim", [&](nlohmann::json& j) { j["tensors"][t]["shape"][0] = -16; },
+       "is negative or absurdly large"},
+      {"global numel overflow",
+       [&](nlohmann::json& j) {
+         j["tensors"][t]["shape"] = {int64_t{1} << 40, int64_t{1} << 40};
+         j["tensors"][t]["slices"][0]["shape"] = {int64_t{1} << 40, int64_t{1} << 40};
+       },
+       "is negative or absurdly large"},
+      {"float shard_dim", [&](nlohmann::json& j) { j["tensors"][t]["slices"][0]["shard_dim"] = 1e300; },
+       "\"shard_dim\" must be an integer, got 1e+300"},
+      {"huge shard_dim",
+       [&](nlohmann::json& j) { j["tensors"][t]["slices"][0]["shard_dim"] = int64_t{1} << 40; },
+       "\"shard_dim\" is out of range"},
+      {"float offset", [&](nlohmann::json& j) { j["tensors"][t]["slices"][0]["offset"] = 0.5; },
+       "\"offset\" must be an integer"},
+      {"float shape", [&](nlohmann::json& j) { j["tensors"][t]["shape"][1] = 1e30; },
+       "\"shape\" must be an integer"},
+      {"unsigned step", [&](nlohmann::json& j) { j["step"] = ~uint64_t{0}; }, "\"step\" must be an integer"},
+      {"float version", [&](nlohmann::json& j) { j["version"] = 1e300; }, "\"version\" must be an integer"},
+      {"slices not an array", [&](nlohmann::json& j) { j["tensors"][t]["slices"] = 3; },
+       "\"slices\" is not an array"},
+  };
+  for (const Case& c : cases) {
+    nlohmann::json idx = good;
+    c.edit(idx);
+    std::ofstream(step_ + "/index.json", std::ios::trunc) << idx.dump();
+    auto meta = read_checkpoint_meta(step_);
+    ASSERT_FALSE(meta) << c.what;
+    expect_has(meta.status().message(), {"index.json", c.needle});
+  }
+
+  // A slice list from another rank is validated the same way, before write_checkpoint_index uses it.
+  const std::string short_shape =
+      R"([{"name":"c","global_shape":[3,4,2],"dtype":"F32","file":"shard-1.safetensors","shard_dim":1,)"
+      R"("offset":2,"shape":[3]}])";
+  auto sl = checkpoint_slices_from_json(short_shape);
+  ASSERT_FALSE(sl);
+  expect_has(sl.status().message(), {"checkpoint slice list: tensor c", "different rank"});
+  sl = checkpoint_slices_from_json(
+      R"([{"name":"c","global_shape":[4],"dtype":"F32","file":"../x","shard_dim":-1,"offset":0,"shape":[4]}])");
+  ASSERT_FALSE(sl);
+  expect_has(sl.status().message(), {"bad shard file name '../x'"});
+  CheckpointSlice bad{"c", {3, 4, 2}, "F32", "shard-0.safetensors", 1, 0, {3}};
+  Status st = write_checkpoint_index(tmp_->str("direct"), {bad}, meta_for(1), false);
+  ASSERT_FALSE(st);
+  expect_has(st.message(), {"tensor c", "different rank"});
 }
 
 std::vector<std::pair<std::string, Tensor>> full_params_of(Transformer& m) {
@@ -690,6 +787,57 @@ TEST(CheckpointHf, RejectsBadInput) {
   ASSERT_FALSE(r);
   EXPECT_NE(r.status().message().find("model.safetensors"), std::string::npos) << r.status().message();
   EXPECT_NE(r.status().message().find("model.layers.0.input_layernorm.weight"), std::string::npos)
+      << r.status().message();
+}
+
+// Sizes in config.json are integers within the config keys' bounds; absurd values are refused before they
+// size anything (found by fuzzing: num_hidden_layers 10^9 listed billions of tensor names; a float
+// hidden_size of 1e300 was an out-of-range conversion; n_embd near 2^62 overflowed 4 * n_embd).
+TEST(CheckpointHf, AbsurdConfigValuesRefused) {
+  TempDir tmp("hfabsurd");
+  for (const std::string style : {"llama", "gpt2"}) {
+    ModelConfig cfg = testing::tiny_model(style);
+    auto m = make_model(cfg, 1);
+    ASSERT_TRUE(export_hf(tmp.str(style), cfg, full_params_of(*m)));
+  }
+  const nlohmann::json llama = read_json(tmp.str("llama/config.json"));
+  const nlohmann::json gpt2 = read_json(tmp.str("gpt2/config.json"));
+  struct Case {
+    std::string dir, key;
+    nlohmann::json value;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {"llama", "num_hidden_layers", 1000000000,
+       "\"num_hidden_layers\" must be an integer in [1, 4096], got 1000000000"},
+      {"llama", "hidden_size", 1e300, "\"hidden_size\" must be an integer in [1, 1048576], got 1e+300"},
+      {"llama", "vocab_size", "32", "\"vocab_size\" must be an integer in [1, 2147483648], got \"32\""},
+      {"llama", "intermediate_size", 0, "\"intermediate_size\" must be an integer in [1, 4194304], got 0"},
+      {"llama", "num_key_value_heads", ~uint64_t{0}, "\"num_key_value_heads\" must be an integer"},
+      {"llama", "head_dim", 2.5, "\"head_dim\" must be an integer"},
+      {"gpt2", "n_embd", int64_t{1} << 62, "\"n_embd\" must be an integer in [1, 1048576]"},
+      {"gpt2", "n_inner", -1, "\"n_inner\" must be an integer in [1, 4194304], got -1"},
+  };
+  for (const Case& c : cases) {
+    nlohmann::json j = c.dir == "llama" ? llama : gpt2;
+    j[c.key] = c.value;
+    std::ofstream(tmp.str(c.dir + "/config.json"), std::ios::trunc) << j.dump();
+    auto r = import_hf(tmp.str(c.dir));
+    ASSERT_FALSE(r) << c.key;
+    EXPECT_NE(r.status().message().find(c.needle), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find("config.json"), std::string::npos) << r.status().message();
+  }
+  // In bounds, but far more tensors than the file holds (4096 layers of 65536 experts): refused by count.
+  nlohmann::json j = llama;
+  j["model_type"] = "mixtral";
+  j["num_hidden_layers"] = 4096;
+  j["num_local_experts"] = 65536;
+  j["num_experts_per_tok"] = 2;
+  std::ofstream(tmp.str("llama/config.json"), std::ios::trunc) << j.dump();
+  auto r = import_hf(tmp.str("llama"));
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.status().message().find("config.json implies 805339139 tensors, the weights hold"),
+            std::string::npos)
       << r.status().message();
 }
 

@@ -1,4 +1,6 @@
-// Run-output IO: safetensors (round trip, format details, corruption), metrics.jsonl, SVG loss curve.
+// Run-output IO: safetensors (round trip, format details, corruption), token shard headers, metrics.jsonl,
+// SVG loss curve; and regressions found by fuzzing (tests/fuzz): tokenizer files, config.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -8,7 +10,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
 
+#include "data/bpe_tokenizer.h"
+#include "data/shards.h"
+#include "train/config.h"
 #include "train/metrics.h"
 #include "train/safetensors.h"
 
@@ -141,6 +147,8 @@ TEST_F(IoFiles, SafetensorsSaveRejectsBadInput) {
 TEST_F(IoFiles, SafetensorsCorruptionRejected) {
   const std::string f32_2x2 = R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})";
   const std::string data16(16, '\x01');
+  std::string ones65 = "1";
+  for (int i = 0; i < 64; ++i) ones65 += ",1";
   struct Case {
     std::string name, bytes, needle;
   };
@@ -174,6 +182,16 @@ TEST_F(IoFiles, SafetensorsCorruptionRejected) {
        "gap in the data buffer"},
       {"trailing", raw_file(f32_2x2, data16 + "xxxx"), "data buffer is 20 bytes but the tensors cover 16"},
       {"meta", raw_file(R"({"__metadata__":{"a":1}})", ""), "__metadata__ value for 'a' is not a string"},
+      // Absurd sizes (found by fuzzing, docs/reliability.md): a zero dim must not let a dim above INT64_MAX
+      // through (it became a negative shape), and numel * 8 must not wrap around to the 0 bytes given.
+      {"hugedim",
+       raw_file(R"({"w":{"dtype":"F32","shape":[0,18446744073709551615],"data_offsets":[0,0]}})", ""),
+       "tensor 'w': shape [0,18446744073709551615] is absurdly large"},
+      {"wrap", raw_file(R"({"w":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,0]}})", ""),
+       "tensor 'w': shape [2305843009213693952] is absurdly large"},
+      {"manydims",
+       raw_file(R"({"w":{"dtype":"F32","shape":[)" + ones65 + R"(],"data_offsets":[0,4]}})", "xxxx"),
+       "tensor 'w': shape has 65 dims"},
   };
   for (const auto& c : cases) {
     const auto p = path(c.name + ".safetensors");
@@ -184,11 +202,42 @@ TEST_F(IoFiles, SafetensorsCorruptionRejected) {
     EXPECT_HAS(r.status().message(), p);  // every error names the file
   }
   EXPECT_HAS(ndt::open_safetensors(path("absent.safetensors")).status().message(), "not found");
+  // A header length of 2^64 - 1 is refused before anything is allocated.
+  dump(path("hlen_max.safetensors"), std::string(8, '\xff') + "{}");
+  EXPECT_HAS(ndt::open_safetensors(path("hlen_max.safetensors")).status().message(),
+             "header length 18446744073709551615 is larger than the file allows (2 bytes after the length)");
   // Sanity: the hand-built valid file opens (so the cases above fail for the stated reason).
   dump(path("ok.safetensors"), raw_file(f32_2x2, data16));
   auto ok = ndt::open_safetensors(path("ok.safetensors"));
   ASSERT_TRUE(ok.is_ok()) << ok.status().message();
   EXPECT_EQ(ok.value().read("w").shape(), (ndt::Shape{2, 2}));
+}
+
+// Absurd counts in a token shard's header are refused before anything is read or allocated: 2^63 tokens of
+// 2 bytes would wrap around to the 0-byte payload of a header-only file; a vocab_size above 2^31 is invalid.
+TEST_F(IoFiles, ShardHeaderAbsurdCountsRejected) {
+  const std::string good = path("good.bin");
+  ASSERT_TRUE(ndt::write_token_shard(good, {}, 259).is_ok());
+  const std::string header = slurp(good);
+  ASSERT_EQ(header.size(), 64u);
+  auto patched = [&](size_t off, uint64_t v) {
+    std::string s = header;
+    std::memcpy(s.data() + off, &v, 8);
+    return s;
+  };
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {"wrap.bin", patched(16, uint64_t{1} << 63), "does not match the header (9223372036854775808 tokens"},
+      {"max.bin", patched(16, ~uint64_t{0}), "does not match the header"},
+      {"vocab.bin", patched(24, ~uint64_t{0}), "invalid vocab_size 18446744073709551615"},
+  };
+  for (const auto& [name, bytes, needle] : cases) {
+    dump(path(name), bytes);
+    auto r = ndt::read_token_shard(path(name));
+    ASSERT_FALSE(r.is_ok()) << name;
+    EXPECT_HAS(r.status().message(), needle);
+    EXPECT_HAS(r.status().message(), path(name));
+  }
+  ASSERT_TRUE(ndt::read_token_shard(good).is_ok());  // the unpatched header reads (0 tokens)
 }
 
 TEST_F(IoFiles, MetricsJsonlLinesParse) {
@@ -278,4 +327,80 @@ TEST(IoFormat, DurationAndCount) {
   EXPECT_EQ(ndt::format_count(123456), "123k");
   EXPECT_EQ(ndt::format_count(0), "0");
   EXPECT_EQ(ndt::format_count(12.34), "12.3");
+}
+
+// ---- Regressions found by fuzzing (tests/fuzz, docs/reliability.md "Fuzzing and sanitizers") ----
+
+// tokenizer.json / vocab.json ids: a negative id wrote before the id table (heap overflow), a float id was an
+// out-of-range conversion, a huge id sized a table of 2^31 strings (and id + 1 overflowed), an added token
+// with empty content made encode() loop forever.
+TEST_F(IoFiles, FuzzRegressionTokenizerIdsRefused) {
+  auto tokenizer_json = [](const std::string& vocab, const std::string& added) {
+    return R"({"model": {"type": "BPE", "vocab": )" + vocab + R"(, "merges": []}, "added_tokens": )" + added +
+           "}";
+  };
+  const std::string eot = R"([{"id": 2, "content": "<|endoftext|>", "special": true}])";
+  struct Case {
+    std::string name, text, needle;
+  };
+  const std::vector<Case> cases = {
+      {"negative", tokenizer_json(R"({"a": 0, "b": -1})", eot), "token 'b' has id -1"},
+      {"float", tokenizer_json(R"({"a": 0, "b": 1e300})", eot), "token 'b' has id 1e+300"},
+      {"max", tokenizer_json(R"({"a": 0, "b": 2147483647})", eot), "token 'b' has id 2147483647"},
+      {"sparse", tokenizer_json(R"({"a": 0, "b": 100000000})", eot),
+       "the largest token id is 100000000 but there are only 3 tokens"},
+      {"added_negative", tokenizer_json(R"({"a": 0, "b": 1})", R"([{"id": -7, "content": "<|x|>"}])"),
+       "token '<|x|>' has id -7"},
+      {"added_empty", tokenizer_json(R"({"a": 0, "b": 1})", R"([{"id": 2, "content": ""}])"),
+       "an added token has empty content"},
+  };
+  for (const Case& c : cases) {
+    fs::create_directories(dir_ / c.name);
+    dump(path(c.name + "/tokenizer.json"), c.text);
+    auto t = ndt::load_bpe_tokenizer(path(c.name + "/tokenizer.json"));
+    ASSERT_FALSE(t.is_ok()) << c.name;
+    EXPECT_HAS(t.status().message(), c.needle);
+    EXPECT_HAS(t.status().message(), "tokenizer.json");
+  }
+  // vocab.json (with merges.txt) ids are checked the same way.
+  fs::create_directories(dir_ / "vm");
+  dump(path("vm/vocab.json"), R"({"a": 0, "<|endoftext|>": -2})");
+  dump(path("vm/merges.txt"), "#version: 0.2\n");
+  auto vm = ndt::load_bpe_tokenizer(path("vm/vocab.json"));
+  ASSERT_FALSE(vm.is_ok());
+  EXPECT_HAS(vm.status().message(), "token '<|endoftext|>' has id -2");
+
+  // A merge result missing from the vocabulary is an ndt::Error from encode (no leak of the regex match
+  // data: scripts/sanitize.sh runs this under LeakSanitizer).
+  fs::create_directories(dir_ / "nomerge");
+  std::string text = tokenizer_json(R"({"a": 0, "b": 1})", eot);
+  text.replace(text.find(R"("merges": [])"), std::string(R"("merges": [])").size(), R"("merges": ["a b"])");
+  dump(path("nomerge/tokenizer.json"), text);
+  auto t = ndt::load_bpe_tokenizer(path("nomerge/tokenizer.json"));
+  ASSERT_TRUE(t.is_ok()) << t.status().message();
+  EXPECT_EQ(t.value()->encode("ba"), (std::vector<int32_t>{1, 0}));
+  EXPECT_THROW(t.value()->encode("ab"), ndt::Error);  // "ab" is merged but not in the vocabulary
+}
+
+// train.micro_batch near INT64_MAX made parallel.dp * train.micro_batch overflow (and a product that wrapped
+// to 0 divided by zero).
+TEST(FuzzRegression, ConfigMicroBatchOverflowRefused) {
+  auto c = ndt::parse_config_string("", {"parallel.dp=4", "train.micro_batch=4611686018427387904"});
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_HAS(c.status().message(), "train.micro_batch (4611686018427387904) must be <= train.global_batch");
+  c = ndt::parse_config_string(
+      "", {"parallel.dp=1048576", "train.global_batch=1048576", "train.micro_batch=17592186044416"});
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_HAS(c.status().message(),
+             "train.micro_batch (17592186044416) must be <= train.global_batch / parallel.dp");
+}
+
+// A "billion laughs" YAML document (each mapping aliases the previous one twice: 2^40 paths in 40 lines) was
+// flattened path by path: a hang. Flattening now stops after 100000 nodes.
+TEST(FuzzRegression, ConfigYamlAliasBombRefused) {
+  std::string yaml = "l0: &l0 {a: 1, b: 2}\n";
+  for (int i = 1; i < 40; ++i) yaml += fmt::format("l{}: &l{} {{p: *l{}, q: *l{}}}\n", i, i, i - 1, i - 1);
+  auto c = ndt::parse_config_string(yaml, {}, "bomb.yaml");
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_HAS(c.status().message(), "config bomb.yaml has more than 100000 keys (nested aliases?)");
 }

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -138,7 +139,10 @@ class BpeTokenizer final : public Tokenizer {
  private:
   void encode_text(const std::string& text, std::vector<int32_t>& out) const {
     if (text.empty()) return;
-    pcre2_match_data* md = pcre2_match_data_create_from_pattern(re, nullptr);
+    // Freed on every path: bpe() throws on a symbol missing from the vocabulary.
+    const std::unique_ptr<pcre2_match_data, void (*)(pcre2_match_data*)> owner(
+        pcre2_match_data_create_from_pattern(re, nullptr), pcre2_match_data_free);
+    pcre2_match_data* md = owner.get();
     const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
     size_t pos = 0, last = 0;
     while (pos <= text.size()) {
@@ -148,7 +152,6 @@ class BpeTokenizer final : public Tokenizer {
           pcre2_match(re, subject, text.size(), pos, pos == 0 ? 0 : PCRE2_NO_UTF_CHECK, md, nullptr);
       if (rc == PCRE2_ERROR_NOMATCH) break;
       if (rc < 0) {
-        pcre2_match_data_free(md);
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(rc, msg, sizeof(msg));
         NDT_FAIL("tokenizer {}: cannot split the text at byte {}: {} (invalid UTF-8?)", source, pos,
@@ -163,7 +166,6 @@ class BpeTokenizer final : public Tokenizer {
       if (e == text.size()) break;
     }
     if (last < text.size()) bpe(text.substr(last), out);
-    pcre2_match_data_free(md);
   }
 
   // One piece: its bytes as byte-level characters, merged by rank.
@@ -244,6 +246,15 @@ std::string config_token(const nlohmann::json& cfg, const char* key) {
   return "";
 }
 
+// A token id from a vocabulary file: an integer (a float or a string is refused: converting one is undefined
+// when out of range) in [0, INT32_MAX). Throws ndt::Error naming the token; finish() bounds the largest id.
+int32_t json_token_id(const nlohmann::json& v, const std::string& token) {
+  if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= INT32_MAX ||
+      (v.is_number_unsigned() && v.get<uint64_t>() >= uint64_t{INT32_MAX}))
+    throw Error(fmt::format("token '{}' has id {}, expected an integer in [0, 2^31 - 1)", token, v.dump()));
+  return static_cast<int32_t>(v.get<int64_t>());
+}
+
 Status finish(BpeTokenizer& t, const std::string& pattern, const fs::path& dir) {
   int err = 0;
   PCRE2_SIZE off = 0;
@@ -256,9 +267,16 @@ Status finish(BpeTokenizer& t, const std::string& pattern, const fs::path& dir) 
                                      t.source, off, reinterpret_cast<const char*>(msg)));
   }
   pcre2_jit_compile(t.re, PCRE2_JIT_COMPLETE);  // faster when available; matching works without it
+  // Ids index a table of the largest id + 1 entries: holes are allowed, but not so many that a small file
+  // sizes a huge table (real vocabularies are dense: n == the number of distinct ids).
   int32_t n = 0;
   for (const auto& [tok, id] : t.vocab) n = std::max(n, id + 1);
   for (const auto& [tok, id] : t.added) n = std::max(n, id + 1);
+  const int64_t entries = static_cast<int64_t>(t.vocab.size() + t.added.size());
+  if (n > 2 * entries + 1024)
+    return Status::error(fmt::format(
+        "tokenizer {}: the largest token id is {} but there are only {} tokens (ids must be nearly dense)",
+        t.source, n - 1, entries));
   t.id_to_token.assign(static_cast<size_t>(n), "");
   t.special.resize(static_cast<size_t>(n), false);
   for (const auto& [tok, id] : t.vocab) t.id_to_token[static_cast<size_t>(id)] = tok;
@@ -311,8 +329,11 @@ Result<std::unique_ptr<Tokenizer>> from_tokenizer_json(const fs::path& path) {
           "tokenizer '{}': byte_fallback BPE (SentencePiece-style) is not supported; use the .model file",
           path.string()));
     t->ignore_merges = model.value("ignore_merges", false);
+    if (!model.at("vocab").is_object())
+      return Status::error(
+          fmt::format("tokenizer '{}': model.vocab must be an object {{token: id}}", path.string()));
     for (auto it = model.at("vocab").begin(); it != model.at("vocab").end(); ++it)
-      t->vocab[it.key()] = it.value().get<int32_t>();
+      t->vocab[it.key()] = json_token_id(it.value(), it.key());
     int32_t rank = 0;
     for (const auto& m : model.at("merges")) {
       std::string a, b;
@@ -332,8 +353,11 @@ Result<std::unique_ptr<Tokenizer>> from_tokenizer_json(const fs::path& path) {
     }
     if (tj.contains("added_tokens") && tj["added_tokens"].is_array())
       for (const auto& a : tj["added_tokens"]) {
-        const int32_t id = a.at("id").get<int32_t>();
-        t->added.emplace_back(a.at("content").get<std::string>(), id);
+        const std::string content = a.at("content").get<std::string>();
+        if (content.empty())
+          return Status::error(
+              fmt::format("tokenizer '{}': an added token has empty content", path.string()));
+        t->added.emplace_back(content, json_token_id(a.at("id"), content));
       }
     // The pre-tokenizer's pattern: GPT-2's for ByteLevel(use_regex), a Split's own otherwise.
     std::string pattern;
@@ -379,6 +403,8 @@ Result<std::unique_ptr<Tokenizer>> from_tokenizer_json(const fs::path& path) {
       }
   } catch (const nlohmann::json::exception& e) {
     return Status::error(fmt::format("tokenizer '{}': unexpected structure: {}", path.string(), e.what()));
+  } catch (const Error& e) {
+    return Status::error(fmt::format("tokenizer '{}': {}", path.string(), e.what()));
   }
   return std::unique_ptr<Tokenizer>(std::move(t));
 }
@@ -390,9 +416,13 @@ Result<std::unique_ptr<Tokenizer>> from_vocab_merges(const fs::path& vocab_path,
   auto t = std::make_unique<BpeTokenizer>();
   t->source = vocab_path.string();
   try {
+    if (!j.value().is_object()) throw Error("not an object");
     for (auto it = j.value().begin(); it != j.value().end(); ++it)
-      t->vocab[it.key()] = it.value().get<int32_t>();
+      t->vocab[it.key()] = json_token_id(it.value(), it.key());
   } catch (const nlohmann::json::exception& e) {
+    return Status::error(
+        fmt::format("tokenizer '{}': expected {{token: id}}: {}", vocab_path.string(), e.what()));
+  } catch (const Error& e) {
     return Status::error(
         fmt::format("tokenizer '{}': expected {{token: id}}: {}", vocab_path.string(), e.what()));
   }

@@ -140,7 +140,9 @@ void MimoEncoder::fill_table(const Bridge& bridge, const Tensor& images, Encoder
 
 std::vector<float> MimoEncoder::render(int64_t step) const {
   const EncoderConfig& e = cfg_.encoder;
-  const auto [ef, ec] = map_.enc_block(world_.rank());
+  // Not a structured binding: clang before 16 cannot capture one in the OpenMP region below.
+  const auto block = map_.enc_block(world_.rank());
+  const int64_t ef = block.first, ec = block.second;
   // Rendering images is pure per sample: spread over the host's threads.
   const int64_t pix = e.channels * e.image_size * e.image_size;
   std::vector<float> pixels(static_cast<size_t>(ec * pix));

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -62,11 +63,19 @@ nlohmann::json slice_to_json(const CheckpointSlice& s) {
                         {"shape", s.shape}};
 }
 
-// Validates one slice against its global shape; returns an empty string when fine.
+// Validates one slice against its global shape; returns an empty string when fine. Every size is checked
+// before it is used, so absurd values (negative or overflowing extents) from a file are refused here.
 std::string slice_problem(const Shape& g, int sd, int64_t off, const Shape& shape) {
   if (shape.size() != g.size())
     return fmt::format("slice shape {} has a different rank than the global shape {}", shape_str(shape),
                        shape_str(g));
+  if (g.size() > 64) return fmt::format("global shape has {} dims", g.size());
+  int64_t numel = 1;
+  for (int64_t d : g) {
+    if (d < 0 || (d > 0 && numel > (int64_t{1} << 62) / d))
+      return fmt::format("global shape {} is negative or absurdly large", shape_str(g));
+    numel *= d;
+  }
   if (sd < -1 || sd >= static_cast<int>(g.size()))
     return fmt::format("shard_dim {} out of range for global shape {}", sd, shape_str(g));
   for (size_t d = 0; d < g.size(); ++d) {
@@ -75,11 +84,45 @@ std::string slice_problem(const Shape& g, int sd, int64_t off, const Shape& shap
       return fmt::format("slice shape {} differs from the global shape {} outside the shard dim {}",
                          shape_str(shape), shape_str(g), sd);
   }
-  if (sd >= 0 && (off < 0 || shape[sd] < 0 || off + shape[sd] > g[sd]))
-    return fmt::format("slice [{}, {}) along dim {} is outside the global extent {}", off, off + shape[sd],
-                       sd, g[sd]);
+  // (g[sd] - shape[sd] cannot overflow: both are in [0, 2^62] here.)
+  if (sd >= 0 && (off < 0 || shape[sd] < 0 || shape[sd] > g[sd] || off > g[sd] - shape[sd]))
+    return fmt::format("slice of {} at offset {} along dim {} is outside the global extent {}", shape[sd],
+                       off, sd, g[sd]);
   if (sd < 0 && off != 0) return fmt::format("unsharded slice with offset {}", off);
   return "";
+}
+
+// Shard files are plain names inside the step directory: no separator, no "." or "..", nothing absolute.
+bool plain_file_name(const std::string& f) {
+  return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
+         f.find('\\') == std::string::npos && f.find('\0') == std::string::npos;
+}
+
+// A slice that came from outside this process (index.json, another rank's list); "" when fine.
+std::string slice_input_problem(const CheckpointSlice& s) {
+  if (!plain_file_name(s.file))
+    return fmt::format("bad shard file name '{}' (a plain file name in the step directory is expected)",
+                       s.file);
+  return slice_problem(s.global_shape, s.shard_dim, s.offset, s.shape);
+}
+
+// JSON integers and shapes read strictly: get<int64_t>() of a float or of an unsigned above INT64_MAX is
+// out-of-range (undefined) conversion; this throws ndt::Error naming the key instead.
+int64_t json_int(const nlohmann::json& j, const char* key) {
+  if (!j.is_number_integer() || (j.is_number_unsigned() && j.get<uint64_t>() > uint64_t{INT64_MAX}))
+    throw Error(fmt::format("\"{}\" must be an integer, got {}", key, j.dump()));
+  return j.get<int64_t>();
+}
+int json_int32(const nlohmann::json& j, const char* key) {
+  const int64_t v = json_int(j, key);
+  if (v < INT32_MIN || v > INT32_MAX) throw Error(fmt::format("\"{}\" is out of range: {}", key, v));
+  return static_cast<int>(v);
+}
+Shape json_shape(const nlohmann::json& j, const char* key) {
+  if (!j.is_array()) throw Error(fmt::format("\"{}\" must be an array of integers, got {}", key, j.dump()));
+  Shape out;
+  for (const nlohmann::json& d : j) out.push_back(json_int(d, key));
+  return out;
 }
 
 // Whether the slices cover the whole tensor; returns an empty string when they do.
@@ -132,11 +175,11 @@ Result<Index> read_index(const std::string& step_dir) {
   try {
     if (!j.is_object() || j.value("format", std::string()) != kFormat)
       return Status::error(fmt::format("checkpoint index '{}': \"format\" is not \"{}\"", idx.path, kFormat));
-    if (j.at("version").get<int>() != kVersion)
+    if (json_int(j.at("version"), "version") != kVersion)
       return Status::error(fmt::format("checkpoint index '{}': unsupported version {} (expected {})",
                                        idx.path, j.at("version").dump(), kVersion));
-    idx.meta.step = j.at("step").get<int64_t>();
-    idx.meta.optimizer_steps = j.at("optimizer_steps").get<int64_t>();
+    idx.meta.step = json_int(j.at("step"), "step");
+    idx.meta.optimizer_steps = json_int(j.at("optimizer_steps"), "optimizer_steps");
     idx.meta.config_yaml = j.value("config", std::string());
     idx.meta.layout = j.value("layout", std::string());
     idx.has_moments = j.value("optimizer_state", false);
@@ -146,21 +189,22 @@ Result<Index> read_index(const std::string& step_dir) {
     for (auto it = ts.begin(); it != ts.end(); ++it) {
       current = it.key();
       IndexEntry e;
-      e.shape = it.value().at("shape").get<Shape>();
+      e.shape = json_shape(it.value().at("shape"), "shape");
       e.dtype = it.value().at("dtype").get<std::string>();
-      for (const nlohmann::json& sj : it.value().at("slices")) {
+      const nlohmann::json& slices = it.value().at("slices");
+      if (!slices.is_array())
+        return Status::error(
+            fmt::format("checkpoint index '{}': tensor {}: \"slices\" is not an array", idx.path, current));
+      for (const nlohmann::json& sj : slices) {
         CheckpointSlice s;
         s.name = current;
         s.global_shape = e.shape;
         s.dtype = e.dtype;
         s.file = sj.at("file").get<std::string>();
-        s.shard_dim = sj.at("shard_dim").get<int>();
-        s.offset = sj.at("offset").get<int64_t>();
-        s.shape = sj.at("shape").get<Shape>();
-        if (s.file.empty() || s.file.find('/') != std::string::npos || s.file == "..")
-          return Status::error(fmt::format("checkpoint index '{}': tensor {}: bad shard file name '{}'",
-                                           idx.path, current, s.file));
-        std::string p = slice_problem(e.shape, s.shard_dim, s.offset, s.shape);
+        s.shard_dim = json_int32(sj.at("shard_dim"), "shard_dim");
+        s.offset = json_int(sj.at("offset"), "offset");
+        s.shape = json_shape(sj.at("shape"), "shape");
+        std::string p = slice_input_problem(s);
         if (!p.empty())
           return Status::error(fmt::format("checkpoint index '{}': tensor {}: {}", idx.path, current, p));
         e.slices.push_back(std::move(s));
@@ -168,6 +212,9 @@ Result<Index> read_index(const std::string& step_dir) {
       idx.tensors.emplace(current, std::move(e));
     }
   } catch (const nlohmann::json::exception& ex) {
+    return Status::error(
+        fmt::format("checkpoint index '{}': malformed entry (at {}): {}", idx.path, current, ex.what()));
+  } catch (const Error& ex) {
     return Status::error(
         fmt::format("checkpoint index '{}': malformed entry (at {}): {}", idx.path, current, ex.what()));
   }
@@ -232,15 +279,19 @@ Result<std::vector<CheckpointSlice>> checkpoint_slices_from_json(const std::stri
     for (const nlohmann::json& j : a) {
       CheckpointSlice s;
       s.name = j.at("name").get<std::string>();
-      s.global_shape = j.at("global_shape").get<Shape>();
+      s.global_shape = json_shape(j.at("global_shape"), "global_shape");
       s.dtype = j.at("dtype").get<std::string>();
       s.file = j.at("file").get<std::string>();
-      s.shard_dim = j.at("shard_dim").get<int>();
-      s.offset = j.at("offset").get<int64_t>();
-      s.shape = j.at("shape").get<Shape>();
+      s.shard_dim = json_int32(j.at("shard_dim"), "shard_dim");
+      s.offset = json_int(j.at("offset"), "offset");
+      s.shape = json_shape(j.at("shape"), "shape");
+      std::string p = slice_input_problem(s);
+      if (!p.empty()) return Status::error(fmt::format("checkpoint slice list: tensor {}: {}", s.name, p));
       out.push_back(std::move(s));
     }
   } catch (const nlohmann::json::exception& ex) {
+    return Status::error(fmt::format("checkpoint slice list: {}", ex.what()));
+  } catch (const Error& ex) {
     return Status::error(fmt::format("checkpoint slice list: {}", ex.what()));
   }
   return out;
@@ -309,6 +360,8 @@ Status write_checkpoint_index(const std::string& step_dir, const std::vector<Che
   std::vector<std::string> order;
   std::map<std::string, std::vector<const CheckpointSlice*>> by_name;
   for (const CheckpointSlice& s : slices) {
+    if (std::string p = slice_input_problem(s); !p.empty())
+      return Status::error(fmt::format("checkpoint index '{}': tensor {}: {}", path, s.name, p));
     auto& v = by_name[s.name];
     if (v.empty()) order.push_back(s.name);
     bool dup = false;
@@ -380,7 +433,10 @@ Status publish_checkpoint(const std::string& dir_in, const std::string& tmp_dir,
       const std::string fn = e.path().filename().string();
       if (!e.is_directory() || fn.size() < 13 || fn.rfind("step-", 0) != 0) continue;
       const std::string digits = fn.substr(5);
-      if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+      // (At most 18 digits: std::stoll throws on a name like step-99999999999999999999.)
+      if (digits.size() > 18 ||
+          !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        continue;
       steps.emplace_back(std::stoll(digits), e.path());
     }
     std::sort(steps.begin(), steps.end());
@@ -487,7 +543,8 @@ Result<std::string> resolve_checkpoint(const std::string& dir_in) {
     std::string name = text.value();
     while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' '))
       name.pop_back();
-    if (name.empty() || name.find('/') != std::string::npos)
+    // A plain name inside dir: "..", "." or a path would point outside the checkpoint directory.
+    if (!plain_file_name(name))
       return Status::error(fmt::format("checkpoint pointer '{}' does not name a step directory", latest));
     const std::string step_dir = join(dir, name);
     if (!fs::exists(join(step_dir, "index.json")))

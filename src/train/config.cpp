@@ -288,9 +288,16 @@ std::string where_of(const std::string& source, const YAML::Node& n) {
   return fmt::format("{}:{}", source, m.line + 1);
 }
 
+// YAML aliases share nodes, so a small file can describe a mapping with exponentially many paths (a "billion
+// laughs" document); flattening stops after this many nodes, far beyond any real config.
+constexpr int64_t kMaxConfigNodes = 100000;
+
 Status flatten(const YAML::Node& node, const std::string& prefix, const std::string& source,
-               std::vector<Entry>& out) {
+               std::vector<Entry>& out, int64_t& budget) {
   for (const auto& kv : node) {  // (not it->first: yaml-cpp's iterator proxy trips -Wdangling-pointer)
+    if (--budget < 0)
+      return Status::error(
+          fmt::format("config {} has more than {} keys (nested aliases?)", source, kMaxConfigNodes));
     if (!kv.first.IsScalar())
       return Status::error(fmt::format("config keys must be plain names ({})", where_of(source, kv.first)));
     const std::string key = prefix.empty() ? kv.first.Scalar() : prefix + "." + kv.first.Scalar();
@@ -300,7 +307,7 @@ Status flatten(const YAML::Node& node, const std::string& prefix, const std::str
       if (find_key(key))
         return Status::error(fmt::format("config key '{}' expects a single value, got a mapping ({})", key,
                                          where_of(source, v)));
-      Status st = flatten(v, key, source, out);
+      Status st = flatten(v, key, source, out, budget);
       if (!st) return st;
     } else if (v.IsSequence()) {
       if (!find_key(key)) return Status::error(unknown_key_message(key, where_of(source, kv.first)));
@@ -510,7 +517,8 @@ Status collect(const std::string& text, const std::string& source, const fs::pat
     if (!st) return st;
   }
   std::vector<Entry> own;
-  Status st = flatten(root, "", source, own);
+  int64_t budget = kMaxConfigNodes;
+  Status st = flatten(root, "", source, own, budget);
   if (!st) return st;
   std::erase_if(own, [](const Entry& e) { return e.key == "preset"; });
   out.insert(out.end(), own.begin(), own.end());
@@ -811,6 +819,10 @@ Status validate_config(const Config& c) {
   }
   if (t.global_batch % p.dp != 0)
     return errf("train.global_batch ({}) must be divisible by parallel.dp ({})", t.global_batch, p.dp);
+  // (Checked first so that dp * micro_batch below cannot overflow.)
+  if (t.micro_batch > t.global_batch / p.dp)
+    return errf("train.micro_batch ({}) must be <= train.global_batch / parallel.dp ({} / {} = {})",
+                t.micro_batch, t.global_batch, p.dp, t.global_batch / p.dp);
   if (t.micro_batch > 0 && t.global_batch % (p.dp * t.micro_batch) != 0)
     return errf("train.global_batch ({}) must be divisible by parallel.dp * train.micro_batch ({} * {} = {})",
                 t.global_batch, p.dp, t.micro_batch, p.dp * t.micro_batch);

@@ -90,6 +90,15 @@ void read_as_f32(const HfWeights& weights, const std::string& name, Tensor& dst)
   }
 }
 
+int64_t json_size(const nlohmann::json& v, const std::string& cpath, const char* key, int64_t max) {
+  const bool integer =
+      v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(max));
+  if (!integer || v.get<int64_t>() < 1 || v.get<int64_t>() > max)
+    throw Error(fmt::format("import_hf: '{}': \"{}\" must be an integer in [1, {}], got {}", cpath, key, max,
+                            v.dump()));
+  return v.get<int64_t>();
+}
+
 Result<nlohmann::json> read_config_json(const std::string& dir) {
   const std::string cpath = (fs::path(dir) / "config.json").string();
   std::ifstream cf(cpath);

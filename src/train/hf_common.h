@@ -39,6 +39,10 @@ class HfWeights {
 // shape. Throws Error naming the file and the tensor.
 void read_as_f32(const HfWeights& weights, const std::string& name, Tensor& dst);
 
+// A size from config.json: an integer in [1, max], else throws ndt::Error naming the file and the key
+// (a float, a string or an out-of-range value never reaches a conversion or a shape).
+int64_t json_size(const nlohmann::json& v, const std::string& cpath, const char* key, int64_t max);
+
 // Reads dir/config.json (an object); errors name the file.
 Result<nlohmann::json> read_config_json(const std::string& dir);
 

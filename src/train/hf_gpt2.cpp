@@ -119,21 +119,21 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
   cfg.style = "gpt2";
   std::string key;
   try {
-    auto need_int = [&](const char* k) -> int64_t {
+    // Integers in [1, max] (the bounds of the matching config keys, train/config.cpp).
+    auto need_int = [&](const char* k, int64_t max) -> int64_t {
       key = k;
       if (!c.contains(k)) throw Error(fmt::format("import_hf: '{}': missing key \"{}\"", cpath, k));
-      const int64_t v = c.at(k).get<int64_t>();
-      if (v <= 0) throw Error(fmt::format("import_hf: '{}': \"{}\" must be positive, got {}", cpath, k, v));
-      return v;
+      return hf_detail::json_size(c.at(k), cpath, k, max);
     };
-    cfg.d_model = need_int("n_embd");
-    cfg.n_layers = need_int("n_layer");
-    cfg.n_heads = need_int("n_head");
-    cfg.vocab_size = need_int("vocab_size");
-    cfg.max_seq_len = need_int("n_positions");
+    cfg.d_model = need_int("n_embd", 1 << 20);
+    cfg.n_layers = need_int("n_layer", 4096);
+    cfg.n_heads = need_int("n_head", 4096);
+    cfg.vocab_size = need_int("vocab_size", int64_t{1} << 31);
+    cfg.max_seq_len = need_int("n_positions", 1 << 24);
     cfg.n_kv_heads = 0;
     key = "n_inner";
-    cfg.d_ff = c.contains("n_inner") && !c["n_inner"].is_null() ? need_int("n_inner") : 4 * cfg.d_model;
+    cfg.d_ff =
+        c.contains("n_inner") && !c["n_inner"].is_null() ? need_int("n_inner", 1 << 22) : 4 * cfg.d_model;
     key = "layer_norm_epsilon";
     cfg.norm_eps = c.value("layer_norm_epsilon", 1e-5);
     key = "initializer_range";

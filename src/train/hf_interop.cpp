@@ -257,12 +257,12 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
   bool mixtral = false, qwen2 = false, qwen3 = false;
   std::string key;
   try {
-    auto need_int = [&](const char* k) -> int64_t {
+    // Sizes are integers in [1, max] (the bounds of the matching config keys, train/config.cpp): a float
+    // or an absurd value is refused before it sizes anything.
+    auto need_int = [&](const char* k, int64_t max) -> int64_t {
       key = k;
       if (!c.contains(k)) throw Error(fmt::format("import_hf: '{}': missing key \"{}\"", cpath, k));
-      int64_t v = c.at(k).get<int64_t>();
-      if (v <= 0) throw Error(fmt::format("import_hf: '{}': \"{}\" must be positive, got {}", cpath, k, v));
-      return v;
+      return hf_detail::json_size(c.at(k), cpath, k, max);
     };
     key = "model_type";
     if (c.contains("model_type")) {
@@ -285,17 +285,17 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
         else if (a.get<std::string>() == "Qwen3ForCausalLM")
           qwen3 = true;
     }
-    cfg.d_model = need_int("hidden_size");
-    cfg.d_ff = need_int("intermediate_size");
-    cfg.n_layers = need_int("num_hidden_layers");
-    cfg.n_heads = need_int("num_attention_heads");
-    cfg.vocab_size = need_int("vocab_size");
+    cfg.d_model = need_int("hidden_size", 1 << 20);
+    cfg.d_ff = need_int("intermediate_size", 1 << 22);
+    cfg.n_layers = need_int("num_hidden_layers", 4096);
+    cfg.n_heads = need_int("num_attention_heads", 4096);
+    cfg.vocab_size = need_int("vocab_size", int64_t{1} << 31);
     cfg.n_kv_heads = c.contains("num_key_value_heads") && !c["num_key_value_heads"].is_null()
-                         ? need_int("num_key_value_heads")
+                         ? need_int("num_key_value_heads", 4096)
                          : cfg.n_heads;
     // Absent keys take the transformers config class's defaults (LlamaConfig / MixtralConfig / Qwen2Config /
     // Qwen3Config).
-    cfg.max_seq_len = c.contains("max_position_embeddings") ? need_int("max_position_embeddings")
+    cfg.max_seq_len = c.contains("max_position_embeddings") ? need_int("max_position_embeddings", 1 << 24)
                                                             : (mixtral          ? 4096 * 32
                                                                : qwen2 || qwen3 ? 32768
                                                                                 : 2048);
@@ -351,7 +351,7 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     key = "head_dim";
     int64_t head_dim = 0;
     if (c.contains("head_dim") && !c["head_dim"].is_null())
-      head_dim = need_int("head_dim");
+      head_dim = need_int("head_dim", 1 << 20);
     else if (qwen3)
       head_dim = 128;
     if ((head_dim == 0 && cfg.d_model % cfg.n_heads != 0) || cfg.n_heads % cfg.n_kv_heads != 0)
@@ -367,8 +367,8 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
     if (mixtral) {
       // Mixtral: every layer is MoE; softmax router over all experts, top-k, gates renormalized.
       MoeConfig& m = cfg.moe;
-      m.num_experts = need_int("num_local_experts");
-      m.top_k = need_int("num_experts_per_tok");
+      m.num_experts = need_int("num_local_experts", 65536);
+      m.top_k = need_int("num_experts_per_tok", 65536);
       m.d_ff_expert = cfg.d_ff;
       m.router = "softmax";
       m.renormalize = true;
@@ -388,11 +388,11 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
                         m.top_k, m.num_experts));
       key = "sliding_window";
       if (c.contains("sliding_window") && !c["sliding_window"].is_null() &&
-          c["sliding_window"].get<int64_t>() < cfg.max_seq_len)
+          (!c["sliding_window"].is_number() || c["sliding_window"].get<double>() < cfg.max_seq_len))
         return Status::error(fmt::format(
             "import_hf: '{}': \"sliding_window\" {} (below max_position_embeddings {}) is not supported: "
             "attention is full causal",
-            cpath, c["sliding_window"].get<int64_t>(), cfg.max_seq_len));
+            cpath, c["sliding_window"].dump(), cfg.max_seq_len));
     }
   } catch (const nlohmann::json::exception& e) {
     return Status::error(fmt::format("import_hf: '{}': bad value for \"{}\": {}", cpath, key, e.what()));
@@ -404,6 +404,18 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
   if (!f) return Status::error("import_hf: " + f.status().message());
   const HfWeights& file = f.value();
   const std::string mpath = file.describe();
+  // The tensors config.json implies, counted before they are listed: a layer or expert count far beyond the
+  // weights is refused here rather than listing ~n_layers * 3 * num_experts names (a smaller mismatch is
+  // reported below with the first missing tensor).
+  {
+    const int64_t per_layer =
+        7 + (cfg.qkv_bias ? 3 : 0) + (cfg.moe.enabled() ? 1 + 3 * cfg.moe.num_experts : 3);
+    const int64_t implied = 2 + (cfg.tied() ? 0 : 1) + cfg.n_layers * per_layer;
+    const auto held = static_cast<int64_t>(file.names().size());
+    if (implied > held && implied > 65536)
+      return Status::error(fmt::format("import_hf: '{}': config.json implies {} tensors, the weights hold {}",
+                                       mpath, implied, held));
+  }
   std::vector<std::pair<std::string, Tensor>> out;
   std::set<std::string> used;
   try {

@@ -162,11 +162,16 @@ Result<SafetensorsFile> open_safetensors(const std::string& path) {
       return bad(fmt::format("unknown or unsupported dtype '{}' (supported: F32, BF16, I32, I64, F64)",
                              dt->get<std::string>()));
     if (!sh->is_array()) return bad("shape must be an array of non-negative integers");
+    // Every dim and the byte count (numel * element size) stay below 2^62: no overflow below, and a dim is
+    // never cast to a negative int64 (a zero dim elsewhere would otherwise let any other dim through).
+    const uint64_t max_numel = (uint64_t{1} << 62) / dtype_size(info.dtype);
+    if (sh->size() > 64) return bad(fmt::format("shape has {} dims", sh->size()));
     uint64_t numel = 1;
     for (const auto& d : *sh) {
       uint64_t v;
       if (!as_u64(d, &v)) return bad("shape must be an array of non-negative integers");
-      if (v && numel > (uint64_t{1} << 62) / v) return bad("shape is absurdly large");
+      if (v > max_numel || (v && numel > max_numel / v))
+        return bad(fmt::format("shape {} is absurdly large", sh->dump()));
       numel *= v;
       info.shape.push_back(static_cast<int64_t>(v));
     }
