@@ -14,6 +14,7 @@
 
 #include "data/packing.h"
 #include "model/transformer.h"
+#include "reference_math.h"
 #include "temp_dir.h"
 #include "tiny_model.h"
 #include "train/hf_interop.h"
@@ -88,23 +89,7 @@ std::vector<double> reference_logits(const std::string& file, const ModelConfig&
     const auto v = lin(n1, h + "self_attn.v_proj", C, KV * D, true);
     rope(q, H);
     rope(k, KV);
-    std::vector<double> att(static_cast<size_t>(T * H * D), 0.0);
-    for (int64_t hd = 0; hd < H; ++hd) {
-      const int64_t g = hd / (H / KV);
-      for (int64_t i = 0; i < T; ++i) {
-        std::vector<double> s(static_cast<size_t>(i + 1));
-        double mx = -1e300, z = 0;
-        for (int64_t j = 0; j <= i; ++j) {
-          double dd = 0;
-          for (int64_t e = 0; e < D; ++e) dd += q[(i * H + hd) * D + e] * k[(j * KV + g) * D + e];
-          s[j] = dd / std::sqrt(static_cast<double>(D));
-          mx = std::max(mx, s[j]);
-        }
-        for (auto& e : s) z += e = std::exp(e - mx);
-        for (int64_t j = 0; j <= i; ++j)
-          for (int64_t e = 0; e < D; ++e) att[(i * H + hd) * D + e] += s[j] / z * v[(j * KV + g) * D + e];
-      }
-    }
+    const std::vector<double> att = testing::causal_gqa_attention(q, k, v, T, H, KV, D);
     const auto o = lin(att, h + "self_attn.o_proj", H * D, C, false);
     for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
     const auto n2 = rms(x, h + "post_attention_layernorm.weight");

@@ -21,6 +21,7 @@
 #include "dist/communicator.h"
 #include "generate/generator.h"
 #include "model/transformer.h"
+#include "reference_math.h"
 #include "temp_dir.h"
 #include "tiny_model.h"
 #include "train/evaluate.h"
@@ -167,23 +168,7 @@ std::vector<double> reference_logits(const std::string& dir, const std::vector<i
     }
     rope(q, H);
     rope(k, KV);
-    std::vector<double> att(static_cast<size_t>(T * H * D), 0.0);
-    for (int64_t hd = 0; hd < H; ++hd) {
-      const int64_t g = hd / (H / KV);
-      for (int64_t i = 0; i < T; ++i) {
-        std::vector<double> s(static_cast<size_t>(i + 1));
-        double mx = -1e300, z = 0;
-        for (int64_t j = 0; j <= i; ++j) {
-          double dd = 0;
-          for (int64_t e = 0; e < D; ++e) dd += q[(i * H + hd) * D + e] * k[(j * KV + g) * D + e];
-          s[j] = dd / std::sqrt(static_cast<double>(D));
-          mx = std::max(mx, s[j]);
-        }
-        for (auto& e : s) z += e = std::exp(e - mx);
-        for (int64_t j = 0; j <= i; ++j)
-          for (int64_t e = 0; e < D; ++e) att[(i * H + hd) * D + e] += s[j] / z * v[(j * KV + g) * D + e];
-      }
-    }
+    const std::vector<double> att = testing::causal_gqa_attention(q, k, v, T, H, KV, D);
     const auto o = lin(att, h + "self_attn.o_proj.weight", H * D, C);
     for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
     const auto n2 = rms(x, C, W[h + "post_attention_layernorm.weight"]);

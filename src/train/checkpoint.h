@@ -44,7 +44,8 @@ struct CheckpointMeta {
 enum class CheckpointFault { None, WriteError, ShortWrite };
 Status save_checkpoint(const std::string& dir, const ParamStore& params, const Tensor& full_m,
                        const Tensor& full_v, const CheckpointMeta& meta, bool writer, int keep_last,
-                       Communicator& world, bool write_dense = true, CheckpointFault fault = CheckpointFault::None);
+                       Communicator& world, bool write_dense = true,
+                       CheckpointFault fault = CheckpointFault::None);
 
 // Resolves DIR (a step dir with index.json, or a parent with `latest`) to a step dir path.
 Result<std::string> resolve_checkpoint(const std::string& dir);

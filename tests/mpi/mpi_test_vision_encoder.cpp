@@ -9,10 +9,10 @@
 #include <map>
 #include <random>
 
+#include "../tiny_model.h"
 #include "dist/communicator.h"
 #include "model/vision_encoder.h"
 #include "parallel/tp/comm_tp_hooks.h"
-#include "../tiny_model.h"
 
 namespace ndt {
 namespace {
