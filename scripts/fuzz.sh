@@ -8,7 +8,8 @@
 #
 # Environment: FUZZ_SECONDS (default 20) per target; FUZZ_TARGETS (default: all, e.g. "config shard");
 # FUZZ_JOBS targets run at the same time (default: the number of cores); JOBS build parallelism (default:
-# the number of cores); FUZZ_ARGS extra libFuzzer flags.
+# the number of cores); FUZZ_SEED the mutation seed (default 1: CI runs explore the same inputs each time;
+# 0 = a random seed); FUZZ_ARGS extra libFuzzer flags.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FUZZ_SECONDS=${FUZZ_SECONDS:-20}
@@ -42,7 +43,7 @@ run_one() {
     ASAN_OPTIONS=abort_on_error=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     "$BUILD/tests/fuzz/fuzz_$t" -max_total_time="$FUZZ_SECONDS" -max_len="${MAX_LEN[$t]:-4096}" \
     -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1024 -print_final_stats=1 \
-    -artifact_prefix="$art/" ${FUZZ_ARGS:-} "$corpus" >"$work/$t.log" 2>&1 && rc=0 || rc=$?
+    -artifact_prefix="$art/" -seed="${FUZZ_SEED:-1}" ${FUZZ_ARGS:-} "$corpus" >"$work/$t.log" 2>&1 && rc=0 || rc=$?
   echo "$rc" >"$work/$t.rc"
 }
 for t in $TARGETS; do
