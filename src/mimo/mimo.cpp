@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <map>
 #include <numeric>
@@ -279,34 +280,38 @@ void MimoEncoder::clip_and_step(double total_norm, double clip, double lr) {
   opt_->step(lr);
 }
 
+void MimoEncoder::encode_items(BridgeMap m, int64_t n, const std::function<const Sample&(int64_t)>& item) {
+  const EncoderConfig& e = cfg_.encoder;
+  const Bridge bridge(m, world_, nullptr);
+  const int me = world_.rank();
+  const auto [ef, ec] = m.enc_block(me);
+  std::vector<float> pixels;
+  for (int64_t j = ef; j < ef + ec; ++j) {
+    const auto& img = item(j % n).image;
+    NDT_CHECK(static_cast<int64_t>(img.size()) == e.channels * e.image_size * e.image_size,
+              "item {} has {} pixels, expected {} x {} x {}", j % n, img.size(), e.channels, e.image_size,
+              e.image_size);
+    pixels.insert(pixels.end(), img.begin(), img.end());
+  }
+  const auto [lf, lc] = m.llm_block(me);
+  std::vector<int64_t> first;
+  for (int64_t j = lf; j < lf + lc; ++j) first.push_back(first_placeholder(item(j % n).tokens));
+  EncoderActs acts;
+  fill_table(bridge, Tensor::from_vector(pixels, {ec, e.channels, e.image_size, e.image_size}), acts,
+             std::move(first));
+}
+
 void MimoEncoder::prepare_scoring(const std::vector<Sample>& samples) {
   // Every rank gets the rows of every sample (scoring splits samples over DP its own way): the bridge
   // towards a single LLM replica that all ranks belong to, over the samples padded to a multiple of the
   // encoder's DP degree.
   const int64_t n = static_cast<int64_t>(samples.size());
   NDT_CHECK(n > 0, "nothing to score");
-  const int64_t P = (n + map_.enc_dp - 1) / map_.enc_dp * map_.enc_dp;
   BridgeMap m = map_;
-  m.batch = P;
+  m.batch = (n + map_.enc_dp - 1) / map_.enc_dp * map_.enc_dp;
   m.llm_dp = 1;
   m.llm_dp_of.assign(m.llm_dp_of.size(), 0);
-  const Bridge bridge(m, world_, nullptr);
-  const EncoderConfig& e = cfg_.encoder;
-  const auto [ef, ec] = m.enc_block(world_.rank());
-  std::vector<float> pixels;
-  for (int64_t j = ef; j < ef + ec; ++j) {
-    const auto& img = samples[static_cast<size_t>(j % n)].image;
-    NDT_CHECK(static_cast<int64_t>(img.size()) == e.channels * e.image_size * e.image_size,
-              "sample {} to score has {} pixels, expected {} x {} x {}", j % n, img.size(), e.channels,
-              e.image_size, e.image_size);
-    pixels.insert(pixels.end(), img.begin(), img.end());
-  }
-  std::vector<int64_t> first;
-  for (int64_t j = 0; j < P; ++j)
-    first.push_back(first_placeholder(samples[static_cast<size_t>(j % n)].tokens));
-  EncoderActs acts;
-  fill_table(bridge, Tensor::from_vector(pixels, {ec, e.channels, e.image_size, e.image_size}), acts,
-             std::move(first));
+  encode_items(m, n, [&](int64_t i) -> const Sample& { return samples[static_cast<size_t>(i)]; });
 }
 
 std::optional<std::pair<double, int64_t>> MimoEncoder::exact_match(const ArgmaxFn& llm) {
@@ -314,28 +319,18 @@ std::optional<std::pair<double, int64_t>> MimoEncoder::exact_match(const ArgmaxF
   if (cfg_.data.task != "image_caption" || n <= 0) return std::nullopt;
   // The held-out problems padded (by repeating) to a multiple of both DP degrees, moved like a batch.
   const int64_t L = std::lcm(map_.enc_dp, map_.llm_dp), P = (n + L - 1) / L * L;
-  const auto problems = image_caption_eval_problems(cfg_.data, cfg_.encoder, tok_, n);
+  std::vector<Sample> problems;  // the prompt as tokens, with its image
+  std::vector<std::string> answers;
+  for (auto& p : image_caption_eval_problems(cfg_.data, cfg_.encoder, tok_, n)) {
+    problems.push_back(Sample{std::move(p.prompt), {}, std::move(p.image)});
+    answers.push_back(std::move(p.answer));
+  }
   BridgeMap m = map_;
   m.batch = P;
-  const Bridge bridge(m, world_, nullptr);
-  const int me = world_.rank();
-  const auto [ef, ec] = m.enc_block(me);
-  std::vector<float> pixels;
-  for (int64_t j = ef; j < ef + ec; ++j) {
-    const auto& img = problems[static_cast<size_t>(j % n)].image;
-    pixels.insert(pixels.end(), img.begin(), img.end());
-  }
-  const auto [lf, lc] = m.llm_block(me);
+  encode_items(m, n, [&](int64_t i) -> const Sample& { return problems[static_cast<size_t>(i)]; });
+  const auto [lf, lc] = m.llm_block(world_.rank());
   std::vector<std::vector<int32_t>> prompts;
-  std::vector<int64_t> first;
-  for (int64_t j = lf; j < lf + lc; ++j) {
-    prompts.push_back(problems[static_cast<size_t>(j % n)].prompt);
-    first.push_back(first_placeholder(prompts.back()));
-  }
-  const EncoderConfig& e = cfg_.encoder;
-  EncoderActs acts;
-  fill_table(bridge, Tensor::from_vector(pixels, {ec, e.channels, e.image_size, e.image_size}), acts,
-             std::move(first));
+  for (int64_t j = lf; j < lf + lc; ++j) prompts.push_back(problems[static_cast<size_t>(j % n)].tokens);
   const PackLayout layout =
       pack_layout(cfg_.parallel.cp, cfg_.parallel.tp, cfg_.parallel.sequence_parallel, cfg_.data.seq_len);
   const auto gen = greedy_generate(llm, prompts, cfg_.data.caption_digits + 1, tok_.eos_id(), tok_.pad_id(),
@@ -343,7 +338,7 @@ std::optional<std::pair<double, int64_t>> MimoEncoder::exact_match(const ArgmaxF
   int64_t correct = 0;
   for (int64_t i = 0; i < lc; ++i)
     if (lf + i < n)
-      correct += tok_.decode(gen[static_cast<size_t>(i)]) == problems[static_cast<size_t>(lf + i)].answer;
+      correct += tok_.decode(gen[static_cast<size_t>(i)]) == answers[static_cast<size_t>(lf + i)];
   llm_dp_.all_reduce(&correct, 1, DType::I64, ReduceOp::Sum);
   table_ = Tensor();
   dtable_ = Tensor();

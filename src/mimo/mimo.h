@@ -15,6 +15,7 @@
 //
 // The loss normaliser is the trainer's: the loss-bearing tokens of the whole global batch, which every rank
 // counts from the same full microbatches, so the encoder's gradient carries the same 1/N on every rank.
+#include <functional>
 #include <future>
 #include <memory>
 #include <optional>
@@ -77,6 +78,9 @@ class MimoEncoder final : public StepCompanion, private EmbedHooks {
   // whose samples have their first placeholder at first_pos.
   void fill_table(const Bridge& bridge, const Tensor& images, EncoderActs& acts,
                   std::vector<int64_t> first_pos);
+  // The same for a list of n items (image and tokens) outside training, padded to m.batch by repetition
+  // (item j % n) and moved by map m: held-out problems, samples to score.
+  void encode_items(BridgeMap m, int64_t n, const std::function<const Sample&(int64_t)>& item);
   int64_t index_at(int64_t step, int64_t j) const;
   std::vector<float> render(int64_t step) const;  // this rank's encoder shard of step `step`, (Be, ch, H, W)
                                                   // // dataset index of global batch position j

@@ -27,10 +27,14 @@ std::vector<std::pair<std::string, Tensor>> Trainer::full_weights() {
   std::vector<std::pair<std::string, Tensor>> full;
   engine_->params().with_host_values([&] { full = gather_full_params(engine_->params(), *c_.tp, c_.ep); },
                                      /*write_back=*/false);
-  if (companion_)
-    for (auto& w : companion_->full_weights()) full.push_back(std::move(w));
+  // A second module is whole on every rank of every stage: added after the stages' exchange, not through it.
+  auto with_companion = [this](std::vector<std::pair<std::string, Tensor>> w) {
+    if (companion_)
+      for (auto& t : companion_->full_weights()) w.push_back(std::move(t));
+    return w;
+  };
   Communicator& pp = *c_.pp;
-  if (pp.size() == 1) return full;
+  if (pp.size() == 1) return with_companion(std::move(full));
   // Every stage broadcasts its tensors to the others (names, shapes, data), skipping tied copies.
   std::vector<std::pair<std::string, Tensor>> all;
   for (int q = 0; q < pp.size(); ++q) {
@@ -55,7 +59,7 @@ std::vector<std::pair<std::string, Tensor>> Trainer::full_weights() {
       if (!have) all.emplace_back(std::move(name), t);
     }
   }
-  return all;
+  return with_companion(std::move(all));
 }
 
 std::vector<std::pair<std::string, Tensor>> Trainer::full_grads() {
