@@ -364,12 +364,7 @@ std::vector<std::pair<std::string, Tensor>> MimoEncoder::full_grads() {
   return gather_full_tensors(store_, opt_->gather_grads(), *tp_, nullptr);
 }
 
-int64_t MimoEncoder::count_params() const {
-  int64_t n = 0;
-  for (const auto& p : store_.all())
-    if (p->count_in_norm) n += shape_numel(p->global_shape);
-  return n;
-}
+int64_t MimoEncoder::count_params() const { return store_.global_numel(); }
 
 void MimoEncoder::save_checkpoint(const std::string& root, int64_t step) {
   Tensor full_m, full_v;

@@ -129,6 +129,13 @@ int64_t ParamStore::local_numel() const {
   return n;
 }
 
+int64_t ParamStore::global_numel() const {
+  int64_t n = 0;
+  for (const auto& p : params_)
+    if (p->count_in_norm) n += shape_numel(p->global_shape);
+  return n;
+}
+
 void ParamStore::flatten(int64_t align, int64_t expert_align) {
   offsets_.assign(params_.size(), 0);
   int64_t n = 0;

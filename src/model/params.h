@@ -62,6 +62,9 @@ class ParamStore {
   std::vector<std::unique_ptr<Param>>& all() { return params_; }
   const std::vector<std::unique_ptr<Param>>& all() const { return params_; }
   int64_t local_numel() const;
+  // Elements of the full (global) tensors this store holds shards of, each parameter once (tied copies that
+  // do not count in the norm left out).
+  int64_t global_numel() const;
   // Moves every value and grad into one flat buffer each (params become views, in registration order,
   // each starting at Param offset), padded to a multiple of `align` elements. Flat buffers make
   // bucketed gradient reduction and ZeRO-1 sharding plain slicing. Expert params (Param::expert) go

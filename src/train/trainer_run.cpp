@@ -265,10 +265,7 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
 }
 
 int64_t Trainer::count_params() const {
-  // Global parameter count: shards scaled back to the full tensor.
-  int64_t n = 0;
-  for (const auto& p : engine_->params().all())
-    if (p->count_in_norm) n += shape_numel(p->global_shape);
+  int64_t n = engine_->params().global_numel();  // this stage's; summed over the stages
   c_.pp->all_reduce(&n, 1, DType::I64, ReduceOp::Sum);
   return n + (companion_ ? companion_->count_params() : 0);
 }
