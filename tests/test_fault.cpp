@@ -55,10 +55,10 @@ TEST(FaultSpec, FiresOnlyAtItsStepsAndRank) {
 TEST(FaultSpec, ProcessAndCheckpointKinds) {
   auto r = parse_fault_spec(
       "kill@step=5,rank=1;abort@step=2;hang@steps=3-4,rank=0;slow@steps=1-2,rank=1,ms=250;"
-      "ckpt_write_error@step=4,rank=0;ckpt_short_write@step=8");
+      "ckpt_write_error@step=4,rank=0;ckpt_short_write@step=8;gpu_hang@step=9,rank=2");
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   const auto& f = r.value();
-  ASSERT_EQ(f.size(), 6u);
+  ASSERT_EQ(f.size(), 7u);
   EXPECT_EQ(f[0].kind, Fault::Kind::Kill);
   EXPECT_EQ(f[1].kind, Fault::Kind::Abort);
   EXPECT_EQ(f[2].kind, Fault::Kind::Hang);
@@ -66,6 +66,8 @@ TEST(FaultSpec, ProcessAndCheckpointKinds) {
   EXPECT_EQ(f[3].ms, 250);
   EXPECT_EQ(f[4].kind, Fault::Kind::CkptWriteError);
   EXPECT_EQ(f[5].kind, Fault::Kind::CkptShortWrite);
+  EXPECT_EQ(f[6].kind, Fault::Kind::GpuHang);
+  EXPECT_TRUE(f[6].on_process());
   for (const Fault& x : f) EXPECT_FALSE(x.is_value());
   // None of them injects a value; checkpoint faults fire for their save only.
   EXPECT_FALSE(fault_value(f, false, 5, 1));
@@ -75,9 +77,11 @@ TEST(FaultSpec, ProcessAndCheckpointKinds) {
   EXPECT_EQ(checkpoint_fault(f, 8, 3), Fault::Kind::CkptShortWrite);
   // A slow fault that fires returns after its sleep; others at other steps do nothing.
   const auto t0 = std::chrono::steady_clock::now();
-  apply_process_faults(f, 1, 1);
+  apply_process_faults(f, 1, 1, false);
   EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(250));
-  apply_process_faults(f, 6, 0);
+  apply_process_faults(f, 6, 0, false);
+  // gpu_hang on a CPU run is an error, not a silent no-op (the GPU side is tests/cuda/gpu_watchdog.sh).
+  EXPECT_THROW(apply_process_faults(f, 9, 2, false), std::exception);
   EXPECT_NE(spec_error("kill@step=1,ms=5").find("unknown fault argument 'ms=5'"), std::string::npos);
   EXPECT_NE(spec_error("slow@step=1,ms=x").find("ms must be given once"), std::string::npos);
 }
@@ -105,6 +109,7 @@ TEST(FaultSpec, ConfigErrorsNameTheKey) {
   EXPECT_NE(bad({"debug.fault=nan_grad@step=3,rank=2", "parallel.dp=2"})
                 .find("config key 'debug.fault': rank 2 is outside the 2 rank(s)"),
             std::string::npos);
+  EXPECT_NE(bad({"debug.fault=gpu_hang@step=1"}).find("gpu_hang needs train.device cuda"), std::string::npos);
   EXPECT_NE(bad({"train.nonfinite=ignore"}).find("config key 'train.nonfinite' must be one of stop, skip"),
             std::string::npos);
   EXPECT_NE(bad({"train.max_consecutive_skips=0"}).find("'train.max_consecutive_skips' must be >= 1"),

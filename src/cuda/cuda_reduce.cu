@@ -2,6 +2,7 @@
 // sum), and the row broadcast used by the cublasGemmEx fallback for a bias.
 #include "cuda/cuda_kernel_utils.cuh"
 #include "cuda/cuda_ops.h"
+#include "cuda/runtime.h"
 
 namespace ndt::cuda {
 
@@ -85,8 +86,7 @@ double sum_squares(const float* x, int64_t n, cudaStream_t stream) {
   detail::Scratch result(sizeof(double), stream);
   sum_squares_device(result.as<double>(), x, n, false, stream);
   double host = 0.0;
-  NDT_CUDA_CHECK(cudaMemcpyAsync(&host, result.as<double>(), sizeof(double), cudaMemcpyDeviceToHost, stream));
-  NDT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  copy_d2h_on(&host, result.as<double>(), sizeof(double), stream);
   return host;
 }
 

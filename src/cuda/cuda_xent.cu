@@ -5,6 +5,7 @@
 
 #include "cuda/cuda_kernel_utils.cuh"
 #include "cuda/cuda_ops.h"
+#include "cuda/runtime.h"
 
 namespace ndt::cuda {
 
@@ -282,8 +283,7 @@ double cross_entropy_forward(float* losses, const E* logits, const int32_t* targ
   loss_sum_kernel<<<1, 1024, 0, stream>>>(losses, total, tl, rowmax, sumexp, mask, T);
   NDT_CUDA_CHECK_LAUNCH();
   double host = 0.0;
-  NDT_CUDA_CHECK(cudaMemcpyAsync(&host, total, sizeof(double), cudaMemcpyDeviceToHost, stream));
-  NDT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  copy_d2h_on(&host, total, sizeof(double), stream);
   return host;
 }
 

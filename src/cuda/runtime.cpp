@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/blocking_wait.h"
 #include "core/check.h"
 #include "cuda/cuda_check.h"
 
@@ -67,13 +68,20 @@ void device_free(void* p) noexcept {
 }
 
 void copy_h2d(void* dst, const void* src, size_t bytes) {
-  if (bytes) NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream()));
+  if (!bytes) return;
+  // From pageable memory the driver may wait for the stream before staging: a wait the watchdog watches.
+  BlockingWait wait("host-to-device copy", 1);
+  NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream()));
 }
 
-void copy_d2h(void* dst, const void* src, size_t bytes) {
+void copy_d2h(void* dst, const void* src, size_t bytes) { copy_d2h_on(dst, src, bytes, stream()); }
+
+void copy_d2h_on(void* dst, const void* src, size_t bytes, cudaStream_t s) {
   if (!bytes) return;
-  NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream()));
-  NDT_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  // Into pageable memory the copy itself blocks until the stream reaches it.
+  BlockingWait wait("device-to-host copy", 1);
+  NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+  NDT_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 void copy_d2d(void* dst, const void* src, size_t bytes) {
@@ -118,7 +126,22 @@ void memset_zero(void* p, size_t bytes) {
   if (bytes) NDT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream()));
 }
 
-void synchronize() { NDT_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+void synchronize() { sync_stream(stream()); }
+
+void sync_stream(cudaStream_t s) {
+  BlockingWait wait("device synchronize", 1);
+  NDT_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+bool is_device_pointer(const void* p) {
+  if (!p) return false;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // older runtimes report unregistered host memory as an error
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
 
 int select_device(int fallback_rank) {
   int n = 0;

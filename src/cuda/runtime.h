@@ -31,11 +31,18 @@ void device_free(void* p) noexcept;
 // waits for the copy (and therefore for all earlier work on the stream).
 void copy_h2d(void* dst, const void* src, size_t bytes);
 void copy_d2h(void* dst, const void* src, size_t bytes);
+// copy_d2h on stream s.
+void copy_d2h_on(void* dst, const void* src, size_t bytes, cudaStream_t s);
 void copy_d2d(void* dst, const void* src, size_t bytes);
 // rows x width_bytes from src (row pitch spitch bytes) to dst (row pitch dpitch), device to device, async.
 void copy_d2d_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width_bytes, size_t rows);
 void memset_zero(void* p, size_t bytes);
 void synchronize();
+// Waits for the stream on the host, recorded as a blocking wait the collective watchdog watches
+// (core/blocking_wait.h): every host wait on GPU work goes through here or through synchronize().
+void sync_stream(cudaStream_t s);
+// Whether p points to device (or managed) memory; host memory, pinned or not, is false.
+bool is_device_pointer(const void* p);
 
 // A CUDA graph of the work `enqueue` puts on stream() (stream capture, thread-local mode), replayed by
 // launch() with the same pointers and sizes: the caller keeps every buffer the work reads or writes at a

@@ -12,5 +12,8 @@ void scale_mask(float* dloss, const float* mask, float scale, int64_t T, cudaStr
 // *result (device double) += -sum_t logprob[t] * mask[t] over rows with mask != 0; one block, fixed
 // order (deterministic).
 void masked_loss_sum(double* result, const float* logprob, const float* mask, int64_t T, cudaStream_t stream);
+// Enqueues a kernel that never finishes (fault injection: a GPU stuck, debug.fault gpu_hang). Only the end
+// of the process stops it.
+void hang_stream(cudaStream_t stream);
 
 }  // namespace ndt::cuda

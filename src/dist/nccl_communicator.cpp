@@ -4,6 +4,7 @@
 
 #include "dist/nccl_communicator.h"
 
+#include <fmt/ranges.h>
 #include <nccl.h>
 
 #include <algorithm>
@@ -12,9 +13,11 @@
 #include <string>
 #include <vector>
 
+#include "core/blocking_wait.h"
 #include "core/check.h"
 #include "cuda/cuda_check.h"
 #include "cuda/runtime.h"
+#include "dist/watchdog.h"
 
 namespace ndt {
 namespace {
@@ -59,16 +62,7 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   NDT_FAIL("nccl: unknown reduce op {}", static_cast<int>(op));
 }
 
-// Device (or managed) memory goes to NCCL; anything else (pageable, pinned host) to MPI.
-bool is_device_ptr(const void* p) {
-  if (!p) return false;
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    cudaGetLastError();  // older runtimes report unregistered host memory as an error
-    return false;
-  }
-  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
-}
+bool is_device_ptr(const void* p) { return cuda::is_device_pointer(p); }
 
 // Routes a call with several buffers: all null/host -> host, all null/device -> device, else an error.
 bool device_call(std::initializer_list<const void*> ptrs, const char* what) {
@@ -109,6 +103,7 @@ class Handle final : public CommHandle {
     finished_ = true;
   }
   void synchronize() override {
+    BlockingWait wait("an asynchronous NCCL collective", 0);
     NDT_CUDA_CHECK(cudaEventSynchronize(ev_));
     finished_ = true;
   }
@@ -146,12 +141,17 @@ class NcclComm final : public NcclCommunicator {
     NDT_NCCL(ncclCommUserRank(comm_, &me));
     NDT_CHECK(nr == host_->size() && me == host_->rank(), "nccl: rank {}/{} differs from MPI's {}/{}", me, nr,
               host_->rank(), host_->size());
+    NDT_CUDA_CHECK(cudaEventCreateWithFlags(&issued_, cudaEventDisableTiming));
+    if ((watchdog_ = Watchdog::current()))
+      hook_ = watchdog_->add_hook([this](Watchdog& w) { on_timeout(w); });
   }
   ~NcclComm() override {
+    if (watchdog_) watchdog_->remove_hook(hook_);
     // No checks here: at exit the runtime may already be shutting down.
     if (stream_) cudaStreamSynchronize(stream_);
     if (comm_) ncclCommDestroy(comm_);
     if (ready_) cudaEventDestroy(ready_);
+    if (issued_) cudaEventDestroy(issued_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -167,15 +167,16 @@ class NcclComm final : public NcclCommunicator {
   void all_reduce(void* buf, int64_t count, DType dt, ReduceOp op) override {
     if (count == 0) return;
     if (!device_call({buf}, "all_reduce")) return host_->all_reduce(buf, count, dt, op);
-    begin();
+    begin("all_reduce");
     NDT_NCCL(ncclAllReduce(buf, buf, n(count), nccl_type(dt), nccl_op(op), comm_, stream_));
     end();
   }
 
   std::unique_ptr<CommHandle> all_reduce_async(void* buf, int64_t count, DType dt, ReduceOp op) override {
     NDT_CHECK(count == 0 || is_device_ptr(buf), "all_reduce_async: needs a device buffer");
-    begin();
+    begin("all_reduce (asynchronous)");
     if (count > 0) NDT_NCCL(ncclAllReduce(buf, buf, n(count), nccl_type(dt), nccl_op(op), comm_, stream_));
+    issued();
     return std::make_unique<Handle>(compute_, stream_);
   }
 
@@ -183,7 +184,7 @@ class NcclComm final : public NcclCommunicator {
     if (count == 0) return;
     if (!device_call({send, recv}, "all_gather")) return host_->all_gather(send, recv, count, dt);
     // In place (send is our own block of recv) is NCCL's documented in-place form.
-    begin();
+    begin("all_gather");
     NDT_NCCL(ncclAllGather(send, recv, n(count), nccl_type(dt), comm_, stream_));
     end();
   }
@@ -191,7 +192,7 @@ class NcclComm final : public NcclCommunicator {
   void reduce_scatter(const void* send, void* recv, int64_t count, DType dt, ReduceOp op) override {
     if (count == 0) return;
     if (!device_call({send, recv}, "reduce_scatter")) return host_->reduce_scatter(send, recv, count, dt, op);
-    begin();
+    begin("reduce_scatter");
     enqueue_reduce_scatter(send, recv, count, dt, op);
     end();
   }
@@ -200,8 +201,9 @@ class NcclComm final : public NcclCommunicator {
                                                    ReduceOp op) override {
     NDT_CHECK(count == 0 || (is_device_ptr(send) && is_device_ptr(recv)),
               "reduce_scatter_async: needs device buffers");
-    begin();
+    begin("reduce_scatter (asynchronous)");
     if (count > 0) enqueue_reduce_scatter(send, recv, count, dt, op);
+    issued();
     return std::make_unique<Handle>(compute_, stream_);
   }
 
@@ -209,7 +211,7 @@ class NcclComm final : public NcclCommunicator {
     check_peer(root, "broadcast root");
     if (count == 0) return;
     if (!device_call({buf}, "broadcast")) return host_->broadcast(buf, count, dt, root);
-    begin();
+    begin("broadcast");
     NDT_NCCL(ncclBroadcast(buf, buf, n(count), nccl_type(dt), root, comm_, stream_));
     end();
   }
@@ -218,7 +220,7 @@ class NcclComm final : public NcclCommunicator {
     check_peer(peer, "send peer");
     if (count == 0) return;  // as in the MPI backend: nothing is posted
     if (!device_call({buf}, "send")) return host_->send(buf, count, dt, peer, tag);
-    begin();
+    begin("send");
     NDT_NCCL(ncclSend(buf, n(count), nccl_type(dt), peer, comm_, stream_));
     end();
   }
@@ -227,7 +229,7 @@ class NcclComm final : public NcclCommunicator {
     check_peer(peer, "recv peer");
     if (count == 0) return;
     if (!device_call({buf}, "recv")) return host_->recv(buf, count, dt, peer, tag);
-    begin();
+    begin("recv");
     NDT_NCCL(ncclRecv(buf, n(count), nccl_type(dt), peer, comm_, stream_));
     end();
   }
@@ -241,7 +243,7 @@ class NcclComm final : public NcclCommunicator {
     NDT_CHECK(!(any_dev && any_host), "batch_p2p: mixes device and host buffers");
     if (any_host) return host_->batch_p2p(ops);
     if (!any_dev) return;
-    begin();
+    begin("batch_p2p");
     grouped([&] {
       for (const P2POp& op : ops) {
         if (op.count == 0) continue;
@@ -268,7 +270,7 @@ class NcclComm final : public NcclCommunicator {
     if (!device_call({send, recv}, "all_to_all_v"))
       return host_->all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dt);
     // One NCCL group of sends and receives; zero-count pairs are skipped on both sides (the counts agree).
-    begin();
+    begin("all_to_all_v");
     grouped([&] {
       const ncclDataType_t t = nccl_type(dt);
       for (int p = 0; p < size(); ++p) {
@@ -283,7 +285,10 @@ class NcclComm final : public NcclCommunicator {
   }
 
   void barrier() override {
-    NDT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    {
+      BlockingWait wait("barrier", size());
+      NDT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
     host_->barrier();
   }
 
@@ -301,7 +306,10 @@ class NcclComm final : public NcclCommunicator {
   std::unique_ptr<Communicator> split(int color, int key) override {
     // Both splits order members by key, ties by parent rank, so the two groups have the same ranks.
     std::unique_ptr<Communicator> h = host_->split(color, key);
-    NDT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    {
+      BlockingWait wait("communicator split", size());
+      NDT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
     ncclComm_t out = nullptr;
     NDT_NCCL(ncclCommSplit(comm_, color >= 0 ? color : NCCL_SPLIT_NOCOLOR, key, &out, nullptr));
     if (color < 0) return nullptr;
@@ -317,11 +325,32 @@ class NcclComm final : public NcclCommunicator {
   }
 
   // The communicator's stream waits for everything enqueued on the compute stream so far.
-  void begin() {
+  void begin(const char* op) {
     NDT_CUDA_CHECK(cudaEventRecord(ready_, compute_));
     NDT_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
+    op_ = op;
+    op_step_ = watchdog_ ? watchdog_->step() : -1;
   }
-  void end() { NDT_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  // After the enqueue: what the watchdog's hook asks about (has the last operation completed?).
+  void issued() { NDT_CUDA_CHECK(cudaEventRecord(issued_, stream_)); }
+  // Blocking calls wait for their operation on the host, a wait the watchdog watches.
+  void end() {
+    issued();
+    BlockingWait wait(op_, size());
+    NDT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  // The watchdog fired (on its thread; the main one is blocked): name the operation still in flight, then
+  // abort the communicator so that its kernels stop (the process exits right after).
+  void on_timeout(Watchdog& w) {
+    if (op_ && cudaEventQuery(issued_) == cudaErrorNotReady)
+      w.say(fmt::format(
+          "NCCL {} on a group of {} rank(s) (world ranks {}), issued at step {}, has not completed; "
+          "aborting the communicator",
+          op_, size(), fmt::join(world_ranks(), ","), op_step_));
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
 
   // Runs f between ncclGroupStart/End; the group is closed even when f throws.
   template <typename F>
@@ -356,6 +385,11 @@ class NcclComm final : public NcclCommunicator {
   cudaStream_t stream_ = nullptr;
   cudaStream_t compute_ = nullptr;
   cudaEvent_t ready_ = nullptr;
+  cudaEvent_t issued_ = nullptr;  // recorded after each operation's enqueue
+  const char* op_ = nullptr;      // the last operation enqueued, and the step it was enqueued at
+  int64_t op_step_ = -1;
+  Watchdog* watchdog_ = nullptr;
+  int hook_ = -1;
 };
 
 }  // namespace

@@ -10,13 +10,18 @@
 #include <thread>
 
 #include "core/check.h"
+#ifdef NDT_HAVE_CUDA
+#include "cuda/runtime.h"
+#include "cuda/train_kernels.h"
+#endif
 
 namespace ndt {
 namespace {
 
 constexpr const char* kSyntax =
     "expected KIND@step=S[,rank=R] or KIND@steps=A-B[,rank=R] (slow also ms=M), faults separated by ';', "
-    "KIND one of nan_grad, inf_grad, nan_loss, inf_loss, kill, abort, hang, slow, ckpt_write_error, "
+    "KIND one of nan_grad, inf_grad, nan_loss, inf_loss, kill, abort, hang, slow, gpu_hang, "
+    "ckpt_write_error, "
     "ckpt_short_write";
 
 std::string trim(const std::string& s) {
@@ -63,6 +68,8 @@ Result<Fault> parse_one(const std::string& text) {
     f.kind = Fault::Kind::Abort;
   else if (kind == "hang")
     f.kind = Fault::Kind::Hang;
+  else if (kind == "gpu_hang")
+    f.kind = Fault::Kind::GpuHang;
   else if (kind == "slow")
     f.kind = Fault::Kind::Slow;
   else if (kind == "ckpt_write_error")
@@ -145,10 +152,10 @@ std::optional<float> fault_value(const std::vector<Fault>& faults, bool grad, in
   return std::nullopt;
 }
 
-void apply_process_faults(const std::vector<Fault>& faults, int64_t step, int64_t world_rank) {
+void apply_process_faults(const std::vector<Fault>& faults, int64_t step, int64_t world_rank, bool on_gpu) {
   for (const Fault& f : faults) {
     if (!f.on_process() || !f.fires(step, world_rank)) continue;
-    static const char* names[] = {"kill", "abort", "hang", "slow"};
+    static const char* names[] = {"kill", "abort", "hang", "slow", "gpu_hang"};
     std::fprintf(
         stderr, "ndtrain [rank %lld]: injected fault %s at step %lld\n", static_cast<long long>(world_rank),
         names[static_cast<int>(f.kind) - static_cast<int>(Fault::Kind::Kill)], static_cast<long long>(step));
@@ -163,6 +170,12 @@ void apply_process_faults(const std::vector<Fault>& faults, int64_t step, int64_
         for (;;) std::this_thread::sleep_for(std::chrono::seconds(60));
       case Fault::Kind::Slow:
         std::this_thread::sleep_for(std::chrono::milliseconds(f.ms));
+        break;
+      case Fault::Kind::GpuHang:
+        NDT_CHECK(on_gpu, "debug.fault gpu_hang needs train.device cuda");
+#ifdef NDT_HAVE_CUDA
+        cuda::hang_stream(cuda::stream());
+#endif
         break;
       default:
         break;

@@ -64,10 +64,13 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
     auto faults = parse_fault_spec(spec);
     if (!faults) throw AgreedError(fmt::format("{}: {}", where, faults.status().message()));
     faults_ = faults.value();
-    for (const Fault& f : faults_)
+    for (const Fault& f : faults_) {
       if (f.rank >= c_.world->size())
         throw AgreedError(fmt::format("{}: rank {} is outside the {} rank(s) of this run", where, f.rank,
                                       c_.world->size()));
+      if (f.kind == Fault::Kind::GpuHang && cfg_.train.device != "cuda")
+        throw AgreedError(fmt::format("{}: gpu_hang needs train.device cuda", where));
+    }
     if (!faults_.empty() && c_.world->rank() == 0) {
       std::printf("fault injection (%s): %s\n", where.c_str(), spec.c_str());
       std::fflush(stdout);
@@ -198,7 +201,7 @@ std::vector<Microbatch> Trainer::microbatches(const std::vector<Sample>& samples
 }
 
 StepStats Trainer::train_step(int64_t step) {
-  apply_process_faults(faults_, step, c_.world->rank());  // (reliability tests; none unless configured)
+  apply_process_faults(faults_, step, c_.world->rank(), cfg_.train.device == "cuda");  // (reliability tests; none unless configured)
   const auto t0 = std::chrono::steady_clock::now();
   return step_on(step, local_microbatches(step), nullptr, t0);
 }
