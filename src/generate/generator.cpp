@@ -15,8 +15,8 @@
 #ifdef NDT_HAVE_CUDA
 #include "cuda/runtime.h"
 #endif
-#ifdef NDT_HAVE_NCCL
-#include "dist/nccl_communicator.h"
+#ifdef NDT_HAVE_CUDA
+#include "dist/device_communicator.h"
 #endif
 
 namespace ndt {
@@ -322,9 +322,6 @@ Generator::Generator(const Config& cfg, Communicator& world, GenLayout layout)
 #ifndef NDT_HAVE_CUDA
   NDT_CHECK(!cuda, "train.device is cuda but this ndtrain was built without the CUDA backend");
 #endif
-#ifndef NDT_HAVE_NCCL
-  NDT_CHECK(!cuda || t == 1, "generation: gen_tp = {} on cuda needs NCCL, which this build lacks", t);
-#endif
   im.tp = t;
   im.replicas = world.size() / t;
   im.replica = world.rank() / t;
@@ -337,8 +334,9 @@ Generator::Generator(const Config& cfg, Communicator& world, GenLayout layout)
   if (t > 1) {
     im.tp_host = world.split(static_cast<int>(im.replica), world.rank());
     Communicator* group = im.tp_host.get();
-#ifdef NDT_HAVE_NCCL
-    if (cuda) group = (im.tp_dev = make_nccl_communicator(*im.tp_host, device)).get();
+#ifdef NDT_HAVE_CUDA
+    if (cuda)
+      group = (im.tp_dev = make_device_communicator(*im.tp_host, device, cfg.train.device_comm)).get();
 #endif
     im.hooks = std::make_unique<CommTpHooks>(*group, /*sequence_parallel=*/false);
     hooks = im.hooks.get();

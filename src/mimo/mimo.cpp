@@ -22,8 +22,8 @@
 #ifdef NDT_HAVE_CUDA
 #include "cuda/runtime.h"
 #endif
-#ifdef NDT_HAVE_NCCL
-#include "dist/nccl_communicator.h"
+#ifdef NDT_HAVE_CUDA
+#include "dist/device_communicator.h"
 #endif
 
 namespace ndt {
@@ -52,14 +52,14 @@ MimoEncoder::MimoEncoder(const Config& cfg, Communicator& world, Communicator& l
   dp_ = &grid_->comm({"dp"});
   const bool cuda = cfg_.train.device == "cuda";
   if (cuda) {
-#ifdef NDT_HAVE_NCCL
+#ifdef NDT_HAVE_CUDA
     const int dev = cuda::select_device(world.rank());
     for (Communicator** c : {&tp_, &dp_}) {
-      device_comms_.push_back(make_nccl_communicator(**c, dev));
+      device_comms_.push_back(make_device_communicator(**c, dev, cfg_.train.device_comm));
       *c = device_comms_.back().get();
     }
 #else
-    throw AgreedError("train.device is cuda but this ndtrain was built without NCCL");
+    throw AgreedError("train.device is cuda but this ndtrain was built without the CUDA backend");
 #endif
   }
   if (const char* t = std::getenv("NDT_MIMO_TIMING")) sync_timing_ = std::string(t) == "1";

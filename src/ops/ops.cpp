@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/bf16.h"
 #include "ops/cpu_ops.h"
 
 #ifdef NDT_HAVE_CUDA
@@ -593,22 +594,6 @@ Tensor add(const Tensor& a, const Tensor& b, const Tensor* bias) {
     for (int64_t c = 0; c < C; ++c) po[t * C + c] += pb[t * C + c] + pbias[c];
   return out;
 }
-
-namespace {
-float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-}  // namespace
 
 void cast_into(Tensor& dst, const Tensor& src) {
   NDT_CHECK(dst.numel() == src.numel() && dst.device() == src.device(), "cast_into: {} {} into {} {}",

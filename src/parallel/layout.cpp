@@ -3,9 +3,9 @@
 #include "parallel/pp/pipeline.h"
 #include "parallel/pp/schedule.h"
 
-#ifdef NDT_HAVE_NCCL
+#ifdef NDT_HAVE_CUDA
 #include "cuda/runtime.h"
-#include "dist/nccl_communicator.h"
+#include "dist/device_communicator.h"
 #endif
 
 namespace ndt {
@@ -124,10 +124,10 @@ Result<std::unique_ptr<Layout>> Layout::create(const Config& cfg, Communicator& 
   l->grid_ = std::move(grid).value();
   l->replica_axes_ = replica_axes(cfg);
   if (cfg.train.device == "cuda") {
-#ifdef NDT_HAVE_NCCL
-    // One GPU per rank; every group that moves device buffers (activations, gradients, weights) gets an
-    // NCCL communicator, bootstrapped over the group's MPI communicator (collective, same order on all
-    // ranks).
+#ifdef NDT_HAVE_CUDA
+    // One GPU per rank (or ranks sharing one with device_comm mpi); every group that moves device buffers
+    // (activations, gradients, weights) gets a device communicator, bootstrapped over the group's MPI
+    // communicator (collective, same order on all ranks).
     const int dev = cuda::select_device(world.rank());
     const std::vector<std::pair<std::string, std::vector<std::string>>> groups = {
         {"dp", {"dp"}}, {"cp", {"cp"}}, {"grad", {"dp", "cp"}}, {"tp", {"tp"}}, {"pp", {"pp"}}};
@@ -135,13 +135,13 @@ Result<std::unique_ptr<Layout>> Layout::create(const Config& cfg, Communicator& 
     if (cfg.encoder.enabled()) all.push_back({"bridge", replica_axes(cfg)});
     for (const auto& [name, dims] : all) {
       Communicator& mpi = l->grid_->comm(std::vector<std::string>(dims.begin(), dims.end()));
-      l->device_comms_[name] = make_nccl_communicator(mpi, dev);
+      l->device_comms_[name] = make_device_communicator(mpi, dev, cfg.train.device_comm);
     }
     l->make_expert_groups(cfg.parallel.ep);
-    l->device_comms_["ep"] = make_nccl_communicator(*l->ep_, dev);
-    l->device_comms_["edp"] = make_nccl_communicator(*l->edp_, dev);
+    l->device_comms_["ep"] = make_device_communicator(*l->ep_, dev, cfg.train.device_comm);
+    l->device_comms_["edp"] = make_device_communicator(*l->edp_, dev, cfg.train.device_comm);
 #else
-    return Status::error("train.device is cuda but this ndtrain was built without NCCL");
+    return Status::error("train.device is cuda but this ndtrain was built without the CUDA backend");
 #endif
   }
   if (!l->ep_) l->make_expert_groups(cfg.parallel.ep);

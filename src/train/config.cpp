@@ -162,6 +162,7 @@ const std::vector<KeyDef>& schema() {
       int_key("train.keep_last", 0, kInf, t(&T::keep_last)),
       str_key("train.checkpoint_dir", {}, t(&T::checkpoint_dir)),
       str_key("train.device", {"cpu", "cuda"}, t(&T::device)),
+      str_key("train.device_comm", {"nccl", "mpi"}, t(&T::device_comm)),
       str_key("train.precision", {"auto", "fp32", "bf16"}, t(&T::precision)),
       bool_key("train.recompute", t(&T::recompute)),
       bool_key("train.tensorboard", t(&T::tensorboard)),
@@ -812,10 +813,13 @@ Status validate_config(const Config& c) {
     auto faults = parse_fault_spec(c.debug.fault);
     if (!faults) return errf("config key 'debug.fault': {}", faults.status().message());
     const int64_t world = p.tp * p.cp * p.dp * p.pp;
-    for (const Fault& f : faults.value())
+    for (const Fault& f : faults.value()) {
       if (f.rank >= world)
         return errf("config key 'debug.fault': rank {} is outside the {} rank(s) of tp * cp * dp * pp",
                     f.rank, world);
+      if (f.kind == Fault::Kind::GpuHang && t.device != "cuda")
+        return errf("config key 'debug.fault': gpu_hang needs train.device cuda");
+    }
   }
   if (t.global_batch % p.dp != 0)
     return errf("train.global_batch ({}) must be divisible by parallel.dp ({})", t.global_batch, p.dp);

@@ -110,16 +110,20 @@ struct TrainConfig {
   int64_t keep_last = 3;                 // checkpoints kept (0 = all)
   std::string checkpoint_dir;            // default: <out_dir>/checkpoints
   std::string device = "cpu";            // "cpu" | "cuda" (the GPU of local rank % device count)
-  std::string precision = "auto";        // "auto" (bf16 on cuda, fp32 on cpu) | "fp32" | "bf16"
-  bool recompute = false;                // recompute each layer's forward during backward (less memory)
-  bool tensorboard = false;              // also write metrics as TensorBoard events (<out_dir>/tensorboard)
+  // How ranks exchange device buffers (dist/device_communicator.h): "nccl", or "mpi" (staged through host
+  // memory: slow; lets several ranks share one GPU, for checking layouts and measuring memory).
+  std::string device_comm = "nccl";
+  std::string precision = "auto";  // "auto" (bf16 on cuda, fp32 on cpu) | "fp32" | "bf16"
+  bool recompute = false;          // recompute each layer's forward during backward (less memory)
+  bool tensorboard = false;        // also write metrics as TensorBoard events (<out_dir>/tensorboard)
   // A step whose loss or reduced gradients hold NaN/Inf (docs/reliability.md): "stop" ends the run with an
   // error on every rank; "skip" leaves weights and optimizer state as they are and goes on, up to
   // max_consecutive_skips skipped steps in a row (then an error).
   std::string nonfinite = "stop";
   int64_t max_consecutive_skips = 5;
-  // A blocking communication call that has not returned after this many seconds ends the job with a message
-  // naming the call, the rank and the step (dist/watchdog.h); 0 = no watchdog. Multi-rank CPU (MPI) runs.
+  // A blocking communication call (or a wait for the GPU) that has not returned after this many seconds ends
+  // the job with a message naming the call, the rank and the step, NCCL communicators aborted
+  // (dist/watchdog.h); 0 = no watchdog. Multi-rank runs and every GPU run.
   double collective_timeout_s = 300;
   // precision with "auto" resolved.
   std::string effective_precision() const {
