@@ -211,15 +211,15 @@ Runner add_verify(CLI::App& app) {
       double d = mine;
       world.all_reduce(&d, 1, DType::F64, ReduceOp::Max);
       grads_ok = grads_ok && d <= o->tol_grads;
-      if (logger || mine == d) {
-        // The rank holding the worst tensor names it (rank 0 prints when it holds it; else that rank does).
-        if (logger && mine != d)
-          std::printf("grads step %zu: max ||g - g_ref|| / ||g_ref|| = %.2e (on another rank)%s\n", i, d,
-                      d <= o->tol_grads ? "" : "  <-- FAIL");
-        else if (logger)
-          std::printf("grads step %zu: max ||g - g_ref|| / ||g_ref|| = %.2e (%s)%s\n", i, d,
-                      grad_worst[i].second.c_str(), d <= o->tol_grads ? "" : "  <-- FAIL");
-      }
+      // The lowest rank holding the worst tensor sends its name to rank 0, which prints.
+      int32_t owner = mine == d ? world.rank() : world.size();
+      world.all_reduce(&owner, 1, DType::I32, ReduceOp::Min);
+      std::string name = grad_worst[i].second;
+      if (owner != 0 && world.rank() == owner) world.send_string(name, 0);
+      if (owner != 0 && logger) name = world.recv_string(owner) + ", rank " + std::to_string(owner);
+      if (logger)
+        std::printf("grads step %zu: max ||g - g_ref|| / ||g_ref|| = %.2e (%s)%s\n", i, d, name.c_str(),
+                    d <= o->tol_grads ? "" : "  <-- FAIL");
     }
     ok = ok && grads_ok && !grad_worst.empty();
     if (posttrain) {
