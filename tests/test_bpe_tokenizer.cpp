@@ -363,6 +363,38 @@ TEST(BpeTokenizer, ByteFallbackRoundTripsRandomText) {
   }
 }
 
+// Without a splitting pre-tokenizer a document is one piece; the tokenizer cuts it before each ▁ that follows
+// another character when no merge joins across such a point. A merge that does ("o ▁") turns the cut off,
+// and the ids are those of merging the whole piece; a crossing merge that never fires ("Z ▁Q", no Z in the
+// texts) turns it off too, and must give the same ids as the cut pieces on random text.
+TEST(BpeTokenizer, ByteFallbackCutsWordsOnlyWhereNoMergeCrosses) {
+  testing::TempDir dir;
+  nlohmann::json j = sp_tokenizer_json("legacy");
+  j["model"]["merges"].insert(j["model"]["merges"].begin(), "o " + kMeta);
+  j["model"]["vocab"]["o" + kMeta] = 279;
+  auto crossing = load(dir, "crossing.json", j);
+  // "▁hello▁world" whole: o▁ (rank 0), ▁h, el, ▁hel; l o and ▁ w lost their pairs; or.
+  EXPECT_EQ(crossing->encode("hello world"), (Ids{271, 262, 279, 264, 274, 262, 266}));
+
+  auto cut = load(dir, "cut.json", sp_tokenizer_json("legacy"));
+  j = sp_tokenizer_json("legacy");
+  j["model"]["vocab"]["Z"] = 279;
+  j["model"]["vocab"][kMeta + "Q"] = 280;
+  j["model"]["vocab"]["Z" + kMeta + "Q"] = 281;
+  j["model"]["merges"].push_back("Z " + kMeta + "Q");
+  auto whole = load(dir, "whole.json", j);
+  const std::vector<std::string> alphabet = {"h",      "e",  "l",          "o",     "w",      "r",
+                                             "d",      " ",  "  ",         "hello", " world", "\u00e9",
+                                             "\u00f1", "\n", "\U0001F600", "or",    "\xff"};
+  std::mt19937 rng(3);
+  for (int n = 0; n < 1000; ++n) {
+    std::string s;
+    const int len = static_cast<int>(rng() % 40);
+    for (int i = 0; i < len; ++i) s += alphabet[rng() % alphabet.size()];
+    ASSERT_EQ(cut->encode(s), whole->encode(s)) << "text '" << s << "'";
+  }
+}
+
 TEST(BpeTokenizer, ByteFallbackRefusesWhatItCannotHandle) {
   testing::TempDir dir;
   auto refused = [&](const std::string& name, const nlohmann::json& j, const std::string& what) {

@@ -189,6 +189,8 @@ class BpeTokenizer final : public Tokenizer {
   std::vector<DecodeStep> decoder;
   // Byte-level: the id of each byte's character; with byte_fallback: the id of <0xXX>; -1 if absent.
   std::array<int32_t, 256> byte_ids{};
+  // The word-start mark ("▁") before which a piece may be cut (see bpe_words), or "" when it may not.
+  std::string cut_before;
 
   ~BpeTokenizer() override {
     if (re) pcre2_code_free(re);
@@ -331,19 +333,35 @@ class BpeTokenizer final : public Tokenizer {
   void pre_tokenize(std::string_view text, bool at_start, std::vector<int32_t>& out) const {
     if (text.empty()) return;
     if (byte_level) return split_regex(text, out);
-    if (!metaspace) return bpe(text, out);
+    if (!metaspace) return bpe_words(text, out);
     const std::string& rep = metaspace->replacement;
     std::string s = replace_all(text, " ", rep);
     const bool prepend =
         metaspace->prepend == Prepend::kAlways || (metaspace->prepend == Prepend::kFirst && at_start);
     if (prepend && s.compare(0, rep.size(), rep) != 0) s.insert(0, rep);
-    if (!metaspace->split) return bpe(s, out);
+    if (!metaspace->split) return bpe_words(s, out);
     // Every replacement character starts a piece (the reference's MergedWithNext).
     for (size_t b = 0; b < s.size();) {
       const size_t e = std::min(s.find(rep, b + 1), s.size());
       bpe(std::string_view(s).substr(b, e - b), out);
       b = e;
     }
+  }
+
+  // Without a splitting pre-tokenizer a whole document is one piece. When no merge joins a symbol that does
+  // not end with the word-start mark to one that starts with it (checked at load), the merges never cross
+  // the point before a mark that follows another character: cutting there gives the same ids, in short
+  // pieces that the cache serves.
+  void bpe_words(std::string_view s, std::vector<int32_t>& out) const {
+    const std::string& w = cut_before;
+    if (w.empty()) return bpe(s, out);
+    size_t b = 0;
+    for (size_t at = s.find(w, 1); at != std::string_view::npos; at = s.find(w, at + w.size())) {
+      if (at >= w.size() && s.compare(at - w.size(), w.size(), w) == 0) continue;  // a run of marks
+      bpe(s.substr(b, at - b), out);
+      b = at;
+    }
+    bpe(s.substr(b), out);
   }
 
   void split_regex(std::string_view text, std::vector<int32_t>& out) const {
@@ -819,7 +837,8 @@ Result<std::unique_ptr<Tokenizer>> from_tokenizer_json(const fs::path& path) {
     }
     Status st = add_merges(*t, pairs);
     if (!st.is_ok()) return st;
-    if (const std::string u = opt_string(model, "unk_token"); !u.empty()) {
+    const std::string u = opt_string(model, "unk_token");
+    if (!u.empty()) {
       auto it = t->vocab.find(u);
       if (it == t->vocab.end())
         return refuse(fmt::format("model.unk_token '{}' is not in the vocabulary", u));
@@ -857,6 +876,18 @@ Result<std::unique_ptr<Tokenizer>> from_tokenizer_json(const fs::path& path) {
       if (!st.is_ok()) return st;
       st = read_decoder(tj.contains("decoder") ? tj["decoder"] : nlohmann::json(), file, t->decoder);
       if (!st.is_ok()) return st;
+      // Where documents may be cut into words (bpe_words): the mark that spaces become, a token itself; no
+      // ignore_merges (it looks the whole piece up); no merge across a point before the mark.
+      std::string w = t->metaspace ? t->metaspace->replacement : "";
+      for (const NormStep& n : t->normalizer)
+        if (!n.prepend && n.from == " ") w = n.to;
+      auto ends_with = [](const std::string& s, const std::string& e) {
+        return s.size() >= e.size() && s.compare(s.size() - e.size(), e.size(), e) == 0;
+      };
+      bool cut = !w.empty() && !t->ignore_merges && t->vocab.contains(w) && (u.empty() || !ends_with(u, w));
+      for (const auto& [a, b] : pairs)
+        if (b.compare(0, w.size(), w) == 0 && !ends_with(a, w)) cut = false;
+      if (cut) t->cut_before = w;
       if (t->byte_fallback)
         for (int b = 0; b < 256; ++b)
           if (!t->vocab.contains(fmt::format("<0x{:02X}>", b)))
