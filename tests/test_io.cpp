@@ -370,16 +370,22 @@ TEST_F(IoFiles, FuzzRegressionTokenizerIdsRefused) {
   ASSERT_FALSE(vm.is_ok());
   EXPECT_HAS(vm.status().message(), "token '<|endoftext|>' has id -2");
 
-  // A merge result missing from the vocabulary is an ndt::Error from encode (no leak of the regex match
-  // data: scripts/sanitize.sh runs this under LeakSanitizer).
+  // A merge result missing from the vocabulary is refused at load, as the reference library does.
   fs::create_directories(dir_ / "nomerge");
   std::string text = tokenizer_json(R"({"a": 0, "b": 1})", eot);
   text.replace(text.find(R"("merges": [])"), std::string(R"("merges": [])").size(), R"("merges": ["a b"])");
   dump(path("nomerge/tokenizer.json"), text);
   auto t = ndt::load_bpe_tokenizer(path("nomerge/tokenizer.json"));
+  ASSERT_FALSE(t.is_ok());
+  EXPECT_HAS(t.status().message(), R"(merge 0 "a b": 'ab' is not in the vocabulary)");
+  // A byte missing from the vocabulary (no unk_token) is an ndt::Error from encode, thrown from inside the
+  // regex split (no leak of its match data: scripts/sanitize.sh runs this under LeakSanitizer).
+  fs::create_directories(dir_ / "nobyte");
+  dump(path("nobyte/tokenizer.json"), tokenizer_json(R"({"a": 0, "b": 1})", eot));
+  t = ndt::load_bpe_tokenizer(path("nobyte/tokenizer.json"));
   ASSERT_TRUE(t.is_ok()) << t.status().message();
   EXPECT_EQ(t.value()->encode("ba"), (std::vector<int32_t>{1, 0}));
-  EXPECT_THROW(t.value()->encode("ab"), ndt::Error);  // "ab" is merged but not in the vocabulary
+  EXPECT_THROW(t.value()->encode("abc"), ndt::Error);  // "c" is not in the vocabulary
 }
 
 // train.micro_batch near INT64_MAX made parallel.dp * train.micro_batch overflow (and a product that wrapped

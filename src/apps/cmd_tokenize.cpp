@@ -16,7 +16,8 @@ Runner add_tokenize(CLI::App& app) {
     int64_t shard_tokens = 100'000'000;
   };
   auto o = std::make_shared<Opts>();
-  cmd->add_option("--tokenizer", o->tokenizer, "\"byte\" or a SentencePiece .model file");
+  cmd->add_option("--tokenizer", o->tokenizer,
+                  "\"byte\", a SentencePiece .model file, or a BPE tokenizer.json / vocab.json / directory");
   cmd->add_option("-o,--out", o->out, "Output prefix: PREFIX_000000.bin, ...")->required();
   cmd->add_option("--shard-tokens", o->shard_tokens, "Tokens per shard")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));

@@ -28,8 +28,9 @@ Result<std::unique_ptr<Tokenizer>> load_sentencepiece_tokenizer(const std::strin
 // Pre-tokenized data (token shards written by another tokenizer, e.g. GPT-2's): ids 0..n-1; BOS = EOS =
 // PAD = n - 1 (GPT-2's <|endoftext|> for n = 50257). Text is whitespace-separated decimal ids both ways.
 std::unique_ptr<Tokenizer> make_id_tokenizer(int64_t n);
-// "byte", "ids:N" (make_id_tokenizer), a path to a SentencePiece .model file, or a byte-level BPE
-// tokenizer (data/bpe_tokenizer.h): a tokenizer.json, a vocab.json with merges.txt, or a directory.
+// "byte", "ids:N" (make_id_tokenizer), a path to a SentencePiece .model file, or a BPE tokenizer
+// (data/bpe_tokenizer.h; byte-level or byte_fallback): a tokenizer.json, a vocab.json with merges.txt, or a
+// directory.
 Result<std::unique_ptr<Tokenizer>> make_tokenizer(const std::string& spec);
 
 }  // namespace ndt

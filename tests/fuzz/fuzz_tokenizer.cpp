@@ -1,8 +1,8 @@
-// Fuzz target: byte-level BPE tokenizer files (data/bpe_tokenizer.h). The input is a tokenizer.json, or,
-// when it holds a line "#merges.txt", a vocab.json (the text before that line) with its merges.txt (the
-// text after). A further line "#tokenizer_config.json" starts a tokenizer_config.json beside them. A
-// tokenizer that loads encodes a few fixed texts (a vocabulary that lacks a merge result or a byte may
-// refuse with an ndt::Error) and decodes arbitrary ids, in range or not.
+// Fuzz target: BPE tokenizer files (byte-level and byte_fallback) (data/bpe_tokenizer.h). The input is a
+// tokenizer.json, or, when it holds a line "#merges.txt", a vocab.json (the text before that line) with its
+// merges.txt (the text after). A further line "#tokenizer_config.json" starts a tokenizer_config.json beside
+// them. A tokenizer that loads encodes a few fixed texts (a vocabulary that lacks a byte, with no unk_token,
+// may refuse with an ndt::Error) and decodes arbitrary ids, in range or not.
 #include "data/bpe_tokenizer.h"
 #include "fuzz_common.h"
 

@@ -106,6 +106,36 @@ put("tokenizer", "vocab_merges",
     json.dumps(v, ensure_ascii=False) + "\n#merges.txt\n#version: 0.2\n" +
     "".join(a + " " + b + "\n" for a, b in merges))
 
+# SentencePiece-style BPE with byte fallback (the Llama 2 layout): <unk> <s> </s>, <0x00>..<0xFF>, ▁-words;
+# the older normalizer form with a tokenizer_config.json, and the newer Metaspace form.
+sp_vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+for b in range(256):
+    sp_vocab["<0x%02X>" % b] = 3 + b
+for c in ["\u2581", "h", "e", "l", "o", "w", "r", "d", "t", "\u00e9"]:
+    sp_vocab.setdefault(c, len(sp_vocab))
+sp_merges = [("\u2581", "h"), ("e", "l"), ("l", "o"), ("\u2581h", "el"), ("\u2581", "w"), ("\u2581hel", "lo"),
+             ("o", "r"), ("\u2581w", "or"), ("\u2581", "\u2581"), ("\u2581", "t")]
+for a, b in sp_merges:
+    sp_vocab.setdefault(a + b, len(sp_vocab))
+sp = {"added_tokens": [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+                        "normalized": False, "special": True} for i, c in enumerate(["<unk>", "<s>", "</s>"])],
+      "normalizer": {"type": "Sequence", "normalizers": [
+          {"type": "Prepend", "prepend": "\u2581"},
+          {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+      "pre_tokenizer": None,
+      "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "vocab": sp_vocab,
+                "merges": [a + " " + b for a, b in sp_merges]},
+      "decoder": {"type": "Sequence", "decoders": [
+          {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+          {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}}
+put("tokenizer", "llama2_byte_fallback_json",
+    json.dumps(sp, ensure_ascii=False) + "\n#tokenizer_config.json\n" +
+    json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": None}) + "\n")
+sp_meta = dict(sp, normalizer=None, pre_tokenizer={"type": "Metaspace", "replacement": "\u2581",
+                                                   "prepend_scheme": "first", "split": False})
+put("tokenizer", "metaspace_byte_fallback_json", json.dumps(sp_meta, ensure_ascii=False))
+
 # ---- texts for the encode / decode round trip
 texts = {
     "english": "Hello world! It's 2024: the weather's fine, isn't it?\n\n  Indented    spaces\ttab.",
