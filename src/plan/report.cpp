@@ -94,7 +94,8 @@ std::string format_report(const PlanResult& r, const PlanOptions& o, const Confi
     index[key] = rejected.size();
     rejected.push_back({key, {l.layout.flags()}});
   }
-  out += fmt::format("\nrejected ({} layouts):\n", r.layouts.size() - static_cast<size_t>(fits));
+  out += fmt::format("\nrejected ({} layouts){}\n", r.layouts.size() - static_cast<size_t>(fits),
+                     rejected.empty() ? ": none" : ":");
   for (const auto& [key, flags] : rejected) {
     const size_t bar = key.find(" | ");
     std::string f;
