@@ -108,8 +108,8 @@ StepTime step_time(const Config& cfg, const Hardware& hw) {
         }
         const double passes = recompute ? 2 : 1;  // forward collectives run again under recomputation
         if (tp) {
-          const int64_t blocks =
-              has_mlp ? 2 : 1;  // attention, and the MLP unless the MoE block is routed only
+          // Blocks: attention, and the MLP unless the MoE block is routed only (no TP collective).
+          const int64_t blocks = has_mlp ? 2 : 1;
           // Per block and pass: all-reduce (exit forward, enter backward), or under SP all-gather +
           // reduce-scatter each way.
           const double one = d.sp ? 2 * cm.gather(B, p.tp, bw_tp) : cm.all_reduce(B, p.tp, bw_tp);
