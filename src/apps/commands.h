@@ -16,5 +16,6 @@ Runner add_tokenize(CLI::App& app);
 Runner add_verify(CLI::App& app);
 Runner add_convert(CLI::App& app);
 Runner add_score(CLI::App& app);
+Runner add_plan(CLI::App& app);
 
 }  // namespace ndt::app

@@ -1,4 +1,4 @@
-// ndtrain: train, verify, generate, tokenize. Launch with mpirun/srun for more than one process.
+// ndtrain: train, verify, generate, tokenize, convert, score, plan. Launch with mpirun/srun for more ranks.
 #include <cstdio>
 #include <map>
 #include <string>
@@ -13,7 +13,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::map<CLI::App*, ndt::app::Runner> runners;
   for (auto add : {ndt::app::add_train, ndt::app::add_verify, ndt::app::add_generate, ndt::app::add_tokenize,
-                   ndt::app::add_convert, ndt::app::add_score}) {
+                   ndt::app::add_convert, ndt::app::add_score, ndt::app::add_plan}) {
     ndt::app::Runner r = add(app);
     runners[app.get_subcommands({}).back()] = r;
   }

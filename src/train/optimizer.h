@@ -62,6 +62,14 @@ class Optimizer {
   // Step 4 with learning rate lr.
   void step(double lr);
   int64_t steps_taken() const { return step_; }
+  // Elements of the optimizer's own buffers: one AdamW moment (m and v are each this long) and the ZeRO-1
+  // reduced-gradient shards (0 without ZeRO-1). The planner's memory model is checked against them.
+  int64_t moment_elements() const { return m_.numel(); }
+  int64_t shard_grad_elements() const {
+    int64_t n = 0;
+    for (const Region& r : regions_) n += r.sharded() ? r.shard_grad.numel() : 0;
+    return n;
+  }
   void set_steps_taken(int64_t n) { step_ = n; }
   // Moments for the whole local flat buffer (ZeRO-1 shards all-gathered over their groups), for checkpoints.
   void gather_moments(Tensor& full_m, Tensor& full_v);
