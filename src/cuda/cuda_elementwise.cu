@@ -6,8 +6,10 @@
 namespace ndt::cuda {
 
 namespace {
+using detail::from_f;
 using detail::load;
 using detail::store;
+using detail::to_f;
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluCubic = 0.044715f;
 
@@ -79,6 +81,17 @@ struct SwigluFwd {
     store<N>(out, i, y);
   }
 };
+
+// Elementwise over (T, F) reading the fused gate/up row pair (T, 2F).
+template <typename E>
+__global__ void swiglu_fused_kernel(E* out, const E* h13, int64_t T, int64_t F) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < T * F;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / F, f = i - t * F;
+    const float g = to_f(h13[t * 2 * F + f]), u = to_f(h13[t * 2 * F + F + f]);
+    out[i] = from_f<E>(g / (1.0f + expf(-g)) * u);
+  }
+}
 
 template <typename E>
 struct SwigluBwd {
@@ -194,6 +207,16 @@ void swiglu_forward(E* out, const E* gate, const E* up, int64_t N, cudaStream_t 
 }
 
 template <typename E>
+void swiglu_forward_fused(E* out, const E* h13, int64_t T, int64_t F, cudaStream_t stream) {
+  const int64_t n = T * F;
+  if (n <= 0) return;
+  const int block = 256;
+  const auto grid = static_cast<unsigned>(std::min<int64_t>((n + block - 1) / block, 65535));
+  swiglu_fused_kernel<E><<<grid, block, 0, stream>>>(out, h13, T, F);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename E>
 void swiglu_backward(E* dgate, E* dup, const E* dout, const E* gate, const E* up, int64_t N,
                      cudaStream_t stream, bool accumulate) {
   if (!dgate && !dup) return;
@@ -238,6 +261,7 @@ void cast(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t stream) {
   template void gelu_forward<E>(E*, const E*, int64_t, cudaStream_t);                                  \
   template void gelu_backward<E>(E*, const E*, const E*, int64_t, cudaStream_t, bool);                 \
   template void swiglu_forward<E>(E*, const E*, const E*, int64_t, cudaStream_t);                      \
+  template void swiglu_forward_fused<E>(E*, const E*, int64_t, int64_t, cudaStream_t);                 \
   template void swiglu_backward<E>(E*, E*, const E*, const E*, const E*, int64_t, cudaStream_t, bool); \
   template void residual_forward<E>(E*, const E*, const E*, int64_t, cudaStream_t, const E*, int64_t); \
   template void scale_inplace<E>(E*, float, int64_t, cudaStream_t);                                    \

@@ -87,6 +87,11 @@ void rmsnorm_backward(E* dinp, float* dweight, const E* dout, const E* inp, cons
 template <typename E>
 void rope_forward(E* out, const E* inp, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta,
                   cudaStream_t stream = 0);
+// The fused q/k/v projection (T, (H + 2 KV) * D), rows [q | k | v], split into q (T, H, D) and k (T, KV, D),
+// both rotated as by rope_forward, and v (T, KV, D) copied.
+template <typename E>
+void qkv_split_rope(E* q, E* k, E* v, const E* qkv, const int32_t* pos, int64_t T, int64_t H, int64_t KV,
+                    int64_t D, float theta, cudaStream_t stream = 0);
 // dinp += inverse rotation of dout (dinp == dout is NOT allowed: it accumulates).
 template <typename E>
 void rope_backward(E* dinp, const E* dout, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta,
@@ -101,6 +106,9 @@ void gelu_backward(E* dinp, const E* dout, const E* inp, int64_t N, cudaStream_t
                    bool accumulate = true);
 template <typename E>
 void swiglu_forward(E* out, const E* gate, const E* up, int64_t N, cudaStream_t stream = 0);
+// The same from the fused gate/up projection h13 (T, 2F), rows [gate | up]: out (T, F).
+template <typename E>
+void swiglu_forward_fused(E* out, const E* h13, int64_t T, int64_t F, cudaStream_t stream = 0);
 template <typename E>
 void swiglu_backward(E* dgate, E* dup, const E* dout, const E* gate, const E* up, int64_t N,
                      cudaStream_t stream = 0, bool accumulate = true);

@@ -167,6 +167,22 @@ void Transformer::norm_backward(const std::string& prefix, Tensor& dx, const Ten
   }
 }
 
+Tensor Transformer::fused_weight(const std::string& pre, std::initializer_list<const char*> names) {
+  const Tensor& flat = ps_->compute_dtype() == DType::F32 ? ps_->flat_values() : ps_->flat_compute();
+  if (!flat.defined()) return Tensor();
+  int64_t begin = -1, end = 0, rows = 0, cols = 0;
+  for (const char* n : names) {
+    const Param* w = ps_->find(pre + n);
+    if (!w || w->value.dim() != 2) return Tensor();
+    const int64_t off = ps_->offset_of(*w);
+    if (begin < 0) begin = end = off, cols = w->value.size(1);
+    if (off != end || w->value.size(1) != cols) return Tensor();
+    end = off + w->value.numel();
+    rows += w->value.size(0);
+  }
+  return flat.view_at(begin, {rows, cols});
+}
+
 Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor& x, LayerActs& a) {
   const std::string pre = lp(l);
   const int64_t D = cfg_.head_dim(), C = cfg_.d_model;
@@ -178,18 +194,29 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   a.q = act({T, heads_local_, D});
   a.k = act({T, kv_local_, D});
   a.v = act({T, kv_local_, D});
-  ops::linear_forward(a.q, a.a_in, p(pre + "attn.wq.weight").compute_value(), bias(pre + "attn.wq.bias"));
-  ops::linear_forward(a.k, a.a_in, p(pre + "attn.wk.weight").compute_value(), bias(pre + "attn.wk.bias"));
-  ops::linear_forward(a.v, a.a_in, p(pre + "attn.wv.weight").compute_value(), bias(pre + "attn.wv.bias"));
-  if (!cfg_.is_gpt2() && cfg_.qk_norm) {  // Qwen3: per-head RMSNorm of q and k, before RoPE
-    a.q_raw = a.q;
-    a.k_raw = a.k;
-    head_norm_forward(pre + "attn.q_norm", a.q_raw, a.q, a.q_rstd);
-    head_norm_forward(pre + "attn.k_norm", a.k_raw, a.k, a.k_rstd);
-  }
-  if (!cfg_.is_gpt2()) {
-    ops::rope_forward(a.q, mb.positions, theta);
-    ops::rope_forward(a.k, mb.positions, theta);
+  // Decode steps (KV cache) of RoPE models without q/k norms: one matmul for q, k and v, then one kernel
+  // that splits and rotates (the small k and v matmuls alone leave most of the GPU's bandwidth unused).
+  const Tensor wqkv = kv_ && !cfg_.is_gpt2() && !cfg_.qk_norm
+                          ? fused_weight(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"})
+                          : Tensor();
+  if (wqkv.defined()) {
+    Tensor qkv = act({T, (heads_local_ + 2 * kv_local_) * D});
+    ops::linear_forward(qkv, a.a_in, wqkv, nullptr);
+    ops::qkv_split_rope(a.q, a.k, a.v, qkv, mb.positions, theta);
+  } else {
+    ops::linear_forward(a.q, a.a_in, p(pre + "attn.wq.weight").compute_value(), bias(pre + "attn.wq.bias"));
+    ops::linear_forward(a.k, a.a_in, p(pre + "attn.wk.weight").compute_value(), bias(pre + "attn.wk.bias"));
+    ops::linear_forward(a.v, a.a_in, p(pre + "attn.wv.weight").compute_value(), bias(pre + "attn.wv.bias"));
+    if (!cfg_.is_gpt2() && cfg_.qk_norm) {  // Qwen3: per-head RMSNorm of q and k, before RoPE
+      a.q_raw = a.q;
+      a.k_raw = a.k;
+      head_norm_forward(pre + "attn.q_norm", a.q_raw, a.q, a.q_rstd);
+      head_norm_forward(pre + "attn.k_norm", a.k_raw, a.k, a.k_rstd);
+    }
+    if (!cfg_.is_gpt2()) {
+      ops::rope_forward(a.q, mb.positions, theta);
+      ops::rope_forward(a.k, mb.positions, theta);
+    }
   }
   a.att = act({T, heads_local_, D});
   a.lse = stat({T, heads_local_});
@@ -232,10 +259,17 @@ Tensor Transformer::mlp_forward(const std::string& prefix, int64_t fl, LayerActs
     ops::gelu_forward(a.act, a.fc1);
     ops::linear_forward(m_partial, a.act, p(prefix + "proj.weight").compute_value(), nullptr);
   } else {
-    a.fc3 = act({T, fl});
-    ops::linear_forward(a.fc1, a.m_in, p(prefix + "w1.weight").compute_value(), nullptr);
-    ops::linear_forward(a.fc3, a.m_in, p(prefix + "w3.weight").compute_value(), nullptr);
-    ops::swiglu_forward(a.act, a.fc1, a.fc3);
+    const Tensor w13 = kv_ ? fused_weight(prefix, {"w1.weight", "w3.weight"}) : Tensor();
+    if (w13.defined()) {  // decode steps: gate and up in one matmul (their rows are kept by nobody)
+      Tensor h13 = act({T, 2 * fl});
+      ops::linear_forward(h13, a.m_in, w13, nullptr);
+      ops::swiglu_forward_fused(a.act, h13);
+    } else {
+      a.fc3 = act({T, fl});
+      ops::linear_forward(a.fc1, a.m_in, p(prefix + "w1.weight").compute_value(), nullptr);
+      ops::linear_forward(a.fc3, a.m_in, p(prefix + "w3.weight").compute_value(), nullptr);
+      ops::swiglu_forward(a.act, a.fc1, a.fc3);
+    }
     ops::linear_forward(m_partial, a.act, p(prefix + "w2.weight").compute_value(), nullptr);
   }
   return tp_->exit_forward(m_partial);

@@ -8,6 +8,7 @@
 // Data layout is THD: all sequences of a microbatch end to end, T tokens, with cu_seqlens.
 // Under sequence parallelism the residual stream holds this rank's Tl = T/tp tokens; otherwise Tl = T.
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <vector>
@@ -134,6 +135,10 @@ class Transformer {
   void norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x,
                      const Tensor& mean, const Tensor& rstd, const Tensor* dres = nullptr);
   Param& p(const std::string& name) { return ps_->get(name); }
+  // Parameters `pre + names` stored back to back (registration order: wq, wk, wv; w1, w3) as one (rows, C)
+  // matrix of the compute copy, for one matmul in place of several in decode steps (KV cache); undefined
+  // when they are not contiguous (a bias in between) or the store is not flat.
+  Tensor fused_weight(const std::string& pre, std::initializer_list<const char*> names);
   const Tensor* bias(const std::string& name);
   // Activation / statistics buffers on the store's device (activations in its compute dtype).
   Tensor act(Shape s) const { return Tensor::empty(std::move(s), ps_->compute_dtype(), ps_->device()); }

@@ -215,6 +215,24 @@ void rope_forward(Tensor& x, const Tensor& pos, float theta) {
   cpu::rope_forward(x.f32(), x.f32(), pos.i32(), x.size(0), x.size(1), x.size(2), theta);
 }
 
+void qkv_split_rope(Tensor& q, Tensor& k, Tensor& v, const Tensor& qkv, const Tensor& pos, float theta) {
+  const int64_t T = q.size(0), H = q.size(1), KV = k.size(1), D = q.size(2);
+  require_shape(qkv, {T, (H + 2 * KV) * D}, "qkv_split_rope qkv");
+  NDT_ON_CUDA(qkv, Tensor pk;
+              cuda::qkv_split_rope<E>(dp<E>(q, "q"), dp<E>(k, "k"), dp<E>(v, "v"), dp<E>(qkv, "qkv"),
+                                      dev_meta<int32_t>(pos, pk), T, H, KV, D, theta, st()));
+  require_cpu(qkv, "qkv_split_rope");
+  const float* x = qkv.f32();
+  const int64_t W = (H + 2 * KV) * D;
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(q.f32() + t * H * D, x + t * W, sizeof(float) * H * D);
+    std::memcpy(k.f32() + t * KV * D, x + t * W + H * D, sizeof(float) * KV * D);
+    std::memcpy(v.f32() + t * KV * D, x + t * W + (H + KV) * D, sizeof(float) * KV * D);
+  }
+  cpu::rope_forward(q.f32(), q.f32(), pos.i32(), T, H, D, theta);
+  cpu::rope_forward(k.f32(), k.f32(), pos.i32(), T, KV, D, theta);
+}
+
 void rope_backward(Tensor& dx, const Tensor& pos, float theta) {
   // Backward is the inverse rotation; it writes (not accumulates) when input and output alias, so
   // rotate a copy into a zeroed buffer and store it back.
@@ -404,6 +422,15 @@ void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) {
                                             gate.numel(), st()));
   require_cpu(gate, "swiglu_forward");
   cpu::swiglu_forward(out.f32(), gate.f32(), up.f32(), gate.numel());
+}
+
+void swiglu_forward_fused(Tensor& out, const Tensor& h13) {
+  const int64_t T = out.size(0), F = out.size(1);
+  require_shape(h13, {T, 2 * F}, "swiglu_forward_fused h13");
+  NDT_ON_CUDA(h13, cuda::swiglu_forward_fused<E>(dp<E>(out, "swiglu out"), dp<E>(h13, "h13"), T, F, st()));
+  require_cpu(h13, "swiglu_forward_fused");
+  for (int64_t t = 0; t < T; ++t)
+    cpu::swiglu_forward(out.f32() + t * F, h13.f32() + t * 2 * F, h13.f32() + t * 2 * F + F, F);
 }
 
 void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,

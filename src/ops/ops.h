@@ -42,6 +42,9 @@ void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const T
 // x(T, H, D) rotated in place by positions pos(T).
 void rope_forward(Tensor& x, const Tensor& pos, float theta);
 void rope_backward(Tensor& dx, const Tensor& pos, float theta);
+// A fused q/k/v projection qkv(T, (H + 2 KV) D), rows [q | k | v], split into q(T, H, D) and k(T, KV, D),
+// rotated by positions pos(T), and v(T, KV, D) (decode steps: one matmul instead of three).
+void qkv_split_rope(Tensor& q, Tensor& k, Tensor& v, const Tensor& qkv, const Tensor& pos, float theta);
 
 // q(T, H, D), k/v(T, KV, D), cu_seqlens(nseq + 1); out(T, H, D), lse(T, H).
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -78,6 +81,8 @@ void scatter_add_rows(Tensor& dst, const Tensor& src, const std::vector<int64_t>
 void gelu_forward(Tensor& out, const Tensor& inp);
 void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp, bool accumulate = true);
 void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up);
+// out(T, F) = silu(gate) * up from a fused projection h13(T, 2F), rows [gate | up].
+void swiglu_forward_fused(Tensor& out, const Tensor& h13);
 void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,
                      bool accumulate = true);
 

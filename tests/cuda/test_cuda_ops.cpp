@@ -323,6 +323,41 @@ TYPED_TEST(CudaOps, Rope) {
   }
 }
 
+// Decode steps' fusions: the q/k/v split with RoPE, and SwiGLU from the fused gate/up rows.
+TYPED_TEST(CudaOps, QkvSplitRopeAndFusedSwiglu) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  const int64_t H = 4, KV = 2, D = 64, F = 96, W = (H + 2 * KV) * D;
+  const Vec qkv = rounded<E>(randv(T * W, 70));
+  const auto pos = randi(T, 71, 0, 5000);
+  DevI dpos(pos);
+  Dev<E> dqkv(qkv), q(T * H * D), k(T * KV * D), v(T * KV * D);
+  ndt::cuda::qkv_split_rope<E>(q.p, k.p, v.p, dqkv.p, dpos.p, T, H, KV, D, 10000.f);
+  Vec rq(T * H * D), rk(T * KV * D), rv(T * KV * D);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < W; ++j) {
+      const float x = qkv[t * W + j];
+      if (j < H * D)
+        rq[t * H * D + j] = x;
+      else if (j < (H + KV) * D)
+        rk[t * KV * D + j - H * D] = x;
+      else
+        rv[t * KV * D + j - (H + KV) * D] = x;
+    }
+  ndt::cpu::rope_forward(rq.data(), rq.data(), pos.data(), T, H, D, 10000.f);
+  ndt::cpu::rope_forward(rk.data(), rk.data(), pos.data(), T, KV, D, 10000.f);
+  expect_close<E>("qkv_split_rope q", q.get(), rq);
+  expect_close<E>("qkv_split_rope k", k.get(), rk);
+  expect_close<E>("qkv_split_rope v", v.get(), rv);
+  const Vec h13 = rounded<E>(randv(T * 2 * F, 72));
+  Dev<E> dh(h13), out(T * F);
+  ndt::cuda::swiglu_forward_fused<E>(out.p, dh.p, T, F);
+  Vec ro(T * F);
+  for (int64_t t = 0; t < T; ++t)
+    ndt::cpu::swiglu_forward(ro.data() + t * F, h13.data() + t * 2 * F, h13.data() + t * 2 * F + F, F);
+  expect_close<E>("swiglu_forward_fused", out.get(), ro);
+}
+
 TYPED_TEST(CudaOps, Embeddings) {
   NDT_REQUIRE_GPU();
   using E = TypeParam;
