@@ -1,6 +1,8 @@
 // ndtrain plan: which parallel layouts of a config divide correctly on N GPUs, their predicted per-rank
 // memory and a step-time estimate (src/plan, docs/planner.md). Runs on one process; nothing is allocated.
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include "apps/commands.h"
 #include "apps/setup.h"
@@ -43,7 +45,13 @@ Runner add_plan(CLI::App& app) {
   cmd->add_option("--latency-us", hw.latency_us, "Fixed cost of one collective or transfer")
       ->capture_default_str();
   return [o](Communicator& world) {
-    auto cfg = load_config(o->config, o->sets);
+    std::vector<std::string> sets = o->sets;
+#ifndef NDT_HAVE_CUDA
+    // A build without the CUDA backend plans GPU runs all the same (the predictions assume cuda), but its
+    // config validation would refuse train.device=cuda.
+    sets.push_back("train.device=cpu");
+#endif
+    auto cfg = load_config(o->config, sets);
     agree_or_throw(cfg.status(), world);
     const ParallelConfig& p = cfg.value().parallel;
     if (o->plan.gpus == 0) {
