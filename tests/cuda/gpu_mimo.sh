@@ -41,7 +41,10 @@ done
 # Multi-GPU layouts against one GPU (fp32).
 rows=("equal_dp2 2 parallel.dp=2" "fanout_enc_tp2 2 parallel.dp=2 encoder.parallel.tp=2"
       "fanin_tp2 2 parallel.tp=2" "cp2 2 parallel.cp=2" "pp2 2 parallel.pp=2 train.micro_batch=2"
-      "fanin_tp2_dp2 4 parallel.tp=2 parallel.dp=2" "pp2_cp2 4 parallel.pp=2 parallel.cp=2 train.micro_batch=2")
+      "fanin_tp2_dp2 4 parallel.tp=2 parallel.dp=2" "pp2_cp2 4 parallel.pp=2 parallel.cp=2 train.micro_batch=2"
+      "fanin_cp_tp2_dp2_cp2 8 encoder.parallel.tp=2 parallel.tp=2 parallel.dp=2 parallel.cp=2"
+      "fanout_cp_enc_tp4 8 encoder.parallel.tp=4 encoder.d_model=256 encoder.n_heads=4 parallel.dp=4 parallel.cp=2"
+      "dp8_pp2_cp2_packed 8 parallel.pp=2 parallel.cp=2 parallel.dp=2 data.packing=true train.micro_batch=2")
 for row in "${rows[@]}"; do
   read -r name np sets <<<"$row"
   if ((np > gpus && share != 1)); then
