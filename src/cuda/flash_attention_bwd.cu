@@ -82,14 +82,14 @@ __global__ void __launch_bounds__(128) bwd_kernel(const BwdArgs a) {
   using C = Bwd<D>;
   constexpr int BN = C::BN, BM = C::BM, LD = C::LD, LDS = C::LDS, DT = D / 8, KD = D / 16, NQ = BM / 8;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* sK = reinterpret_cast<bf16*>(smem);  // [BN][LD]
-  bf16* sV = sK + BN * LD;                   // [BN][LD]
-  bf16* sQ = sV + BN * LD;                   // [2][BM][LD]
-  bf16* sdO = sQ + 2 * BM * LD;              // [2][BM][LD]
-  bf16* sdS = sdO + 2 * BM * LD;             // [BN][LDS]: dS^T, key rows
+  bf16* sK = reinterpret_cast<bf16*>(smem);              // [BN][LD]
+  bf16* sV = sK + BN * LD;                               // [BN][LD]
+  bf16* sQ = sV + BN * LD;                               // [2][BM][LD]
+  bf16* sdO = sQ + 2 * BM * LD;                          // [2][BM][LD]
+  bf16* sdS = sdO + 2 * BM * LD;                         // [BN][LDS]: dS^T, key rows
   float* sL = reinterpret_cast<float*>(sdS + BN * LDS);  // [2][BM] lse2
-  float* sDs = sL + 2 * BM;                                // [2][BM] Dsum
-  int* sPq = reinterpret_cast<int*>(sDs + 2 * BM);         // [2][BM] query positions (pos_q given)
+  float* sDs = sL + 2 * BM;                              // [2][BM] Dsum
+  int* sPq = reinterpret_cast<int*>(sDs + 2 * BM);       // [2][BM] query positions (pos_q given)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int kvh = static_cast<int>(blockIdx.x % a.KV);
@@ -195,7 +195,8 @@ __global__ void __launch_bounds__(128) bwd_kernel(const BwdArgs a) {
 #pragma unroll
       for (int np = 0; np < NQ / 2; ++np) {
         uint32_t bq[4];
-        ldsm_x4(bq, sQb + (np * 16 + ((lane >> 4) << 3) + (lane & 7)) * LD + kk * 16 + (((lane >> 3) & 1) << 3));
+        ldsm_x4(bq,
+                sQb + (np * 16 + ((lane >> 4) << 3) + (lane & 7)) * LD + kk * 16 + (((lane >> 3) & 1) << 3));
         mma16816(st[2 * np], ka, bq[0], bq[1]);
         mma16816(st[2 * np + 1], ka, bq[2], bq[3]);
       }
@@ -222,7 +223,7 @@ __global__ void __launch_bounds__(128) bwd_kernel(const BwdArgs a) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) st[nt][2 * r + e] = exp2_fast(fmaf(st[nt][2 * r + e], sl2, -L));
       }
-    // dV += P^T dO
+      // dV += P^T dO
 #pragma unroll
     for (int kk = 0; kk < NQ / 2; ++kk) {
       uint32_t pa[4];
@@ -230,7 +231,8 @@ __global__ void __launch_bounds__(128) bwd_kernel(const BwdArgs a) {
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
         uint32_t bo[4];
-        ldsm_x4_t(bo, sdOb + (kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7)) * LD + dp * 16 + ((lane >> 4) << 3));
+        ldsm_x4_t(
+            bo, sdOb + (kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7)) * LD + dp * 16 + ((lane >> 4) << 3));
         mma16816(dv[2 * dp], pa, bo[0], bo[1]);
         mma16816(dv[2 * dp + 1], pa, bo[2], bo[3]);
       }
@@ -253,7 +255,8 @@ __global__ void __launch_bounds__(128) bwd_kernel(const BwdArgs a) {
 #pragma unroll
       for (int np = 0; np < NQ / 2; ++np) {
         uint32_t bo[4];
-        ldsm_x4(bo, sdOb + (np * 16 + ((lane >> 4) << 3) + (lane & 7)) * LD + kk * 16 + (((lane >> 3) & 1) << 3));
+        ldsm_x4(bo,
+                sdOb + (np * 16 + ((lane >> 4) << 3) + (lane & 7)) * LD + kk * 16 + (((lane >> 3) & 1) << 3));
         mma16816(dpt[2 * np], va, bo[0], bo[1]);
         mma16816(dpt[2 * np + 1], va, bo[2], bo[3]);
       }
@@ -267,7 +270,7 @@ __global__ void __launch_bounds__(128) bwd_kernel(const BwdArgs a) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) dpt[nt][2 * r + e] = st[nt][2 * r + e] * (dpt[nt][2 * r + e] - Ds);
       }
-    // dK += dS^T Q; dS^T to shared memory for the dQ step
+      // dK += dS^T Q; dS^T to shared memory for the dQ step
 #pragma unroll
     for (int kk = 0; kk < NQ / 2; ++kk) {
       uint32_t da[4];
@@ -279,7 +282,8 @@ __global__ void __launch_bounds__(128) bwd_kernel(const BwdArgs a) {
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
         uint32_t bq[4];
-        ldsm_x4_t(bq, sQb + (kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7)) * LD + dp * 16 + ((lane >> 4) << 3));
+        ldsm_x4_t(
+            bq, sQb + (kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7)) * LD + dp * 16 + ((lane >> 4) << 3));
         mma16816(dk[2 * dp], da, bq[0], bq[1]);
         mma16816(dk[2 * dp + 1], da, bq[2], bq[3]);
       }
@@ -297,11 +301,13 @@ __global__ void __launch_bounds__(128) bwd_kernel(const BwdArgs a) {
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
         uint32_t sa[4];
-        ldsm_x4_t(sa, sdS + (kk * 16 + ((lane >> 4) << 3) + (lane & 7)) * LDS + qr0 + (((lane >> 3) & 1) << 3));
+        ldsm_x4_t(sa,
+                  sdS + (kk * 16 + ((lane >> 4) << 3) + (lane & 7)) * LDS + qr0 + (((lane >> 3) & 1) << 3));
 #pragma unroll
         for (int dp = 0; dp < NC / 2; ++dp) {
           uint32_t bk[4];
-          ldsm_x4_t(bk, sK + (kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7)) * LD + dc0 + dp * 16 + ((lane >> 4) << 3));
+          ldsm_x4_t(bk, sK + (kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7)) * LD + dc0 + dp * 16 +
+                            ((lane >> 4) << 3));
           mma16816(dqa[2 * dp], sa, bk[0], bk[1]);
           mma16816(dqa[2 * dp + 1], sa, bk[2], bk[3]);
         }
@@ -313,7 +319,8 @@ __global__ void __launch_bounds__(128) bwd_kernel(const BwdArgs a) {
           float* dst = a.dq_acc + static_cast<int64_t>(i) * a.H * D + hq * D + dc0 + 2 * t;
 #pragma unroll
           for (int nt = 0; nt < NC; ++nt)
-            atomicAdd(reinterpret_cast<float2*>(dst + nt * 8), make_float2(dqa[nt][2 * r], dqa[nt][2 * r + 1]));
+            atomicAdd(reinterpret_cast<float2*>(dst + nt * 8),
+                      make_float2(dqa[nt][2 * r], dqa[nt][2 * r + 1]));
         }
       }
     }
@@ -346,7 +353,8 @@ __global__ void dq_finish_kernel(bf16* dq, const float* acc, float scale, int64_
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n8) return;
   uint4 x = reinterpret_cast<const uint4*>(dq)[i];
-  const float4 a0 = reinterpret_cast<const float4*>(acc)[2 * i], a1 = reinterpret_cast<const float4*>(acc)[2 * i + 1];
+  const float4 a0 = reinterpret_cast<const float4*>(acc)[2 * i],
+               a1 = reinterpret_cast<const float4*>(acc)[2 * i + 1];
   __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&x);
   const float add[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
@@ -359,9 +367,9 @@ __global__ void dq_finish_kernel(bf16* dq, const float* acc, float scale, int64_
 
 template <int D>
 void launch_bwd(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
-                const bf16* out, const float* lse, const int32_t* cu_q, const int32_t* cu_k, const int32_t* pos_q,
-                const int32_t* pos_k, int nseq, int64_t Tq, int64_t Tk, int H, int KV, float scale,
-                cudaStream_t stream) {
+                const bf16* out, const float* lse, const int32_t* cu_q, const int32_t* cu_k,
+                const int32_t* pos_q, const int32_t* pos_k, int nseq, int64_t Tq, int64_t Tk, int H, int KV,
+                float scale, cudaStream_t stream) {
   using C = Bwd<D>;
   const int64_t rows = Tq * H;
   Scratch stats(sizeof(float) * 2 * rows, stream);
@@ -376,24 +384,28 @@ void launch_bwd(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, c
   if (ntiles * KV > INT_MAX) arg_error("cuda attention: too many key tiles");
   Scratch blk(sizeof(int32_t) * (nseq + 1), stream);
   segment_tiles(blk.as<int32_t>(), cu_k, nseq, C::BN, stream);
-  BwdArgs a{dq_acc.as<float>(), dk,    dv,    dout,  q,     k,  v,        lse2, dsum,
-            cu_q,               cu_k,  pos_q, pos_k, blk.as<int32_t>(), nseq, H,  KV, H / KV, scale};
+  BwdArgs a{dq_acc.as<float>(), dk,   dv, dout, q,      k,    v, lse2, dsum, cu_q, cu_k, pos_q, pos_k,
+            blk.as<int32_t>(),  nseq, H,  KV,   H / KV, scale};
   NDT_CUDA_CHECK(cudaFuncSetAttribute(bwd_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
   bwd_kernel<D><<<static_cast<unsigned>(ntiles * KV), C::kThreads, C::kSmem, stream>>>(a);
   NDT_CUDA_CHECK_LAUNCH();
 
   if (dq) {
     const int64_t n8 = rows * D / 8;
-    dq_finish_kernel<<<static_cast<unsigned>((n8 + 255) / 256), 256, 0, stream>>>(dq, dq_acc.as<float>(), scale, n8);
+    dq_finish_kernel<<<static_cast<unsigned>((n8 + 255) / 256), 256, 0, stream>>>(dq, dq_acc.as<float>(),
+                                                                                  scale, n8);
     NDT_CUDA_CHECK_LAUNCH();
   }
 }
 
-// ---- fp32: one warp per (query row, head) ----
-__global__ void bwd_simple_kernel(float* dq, float* dk, float* dv, const float* dout, const float* q,
-                                  const float* k, const float* v, const float* out, const float* lse,
-                                  const int32_t* cu_q, const int32_t* cu_k, const int32_t* pos_q,
-                                  const int32_t* pos_k, int nseq, int Tq, int H, int KV, int D, float scale) {
+// ---- fp32: dQ with one warp per (query row, head), then dK and dV with one warp per (key row, kv head) ----
+// No atomics: each output row is summed by one warp in a fixed order, so the fp32 backward (what `ndtrain
+// verify` compares on the GPU) gives the same bits on every run. di (dO . O per query row and head) is
+// written by the first kernel for the second.
+__global__ void bwd_simple_kernel(float* dq, float* di_out, const float* dout, const float* q, const float* k,
+                                  const float* v, const float* out, const float* lse, const int32_t* cu_q,
+                                  const int32_t* cu_k, const int32_t* pos_q, const int32_t* pos_k, int nseq,
+                                  int Tq, int H, int KV, int D, float scale) {
   const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (w >= static_cast<int64_t>(Tq) * H) return;
@@ -415,6 +427,8 @@ __global__ void bwd_simple_kernel(float* dq, float* dk, float* dv, const float* 
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) di += __shfl_xor_sync(0xffffffffu, di, o);
+  if (lane == 0) di_out[w] = di;
+  if (!dq) return;
   for (int j = ks; j < ke; ++j) {
     if (pos_of(pos_k, j, ks) > pq) continue;
     const int64_t kr = (static_cast<int64_t>(j) * KV + kvh) * D;
@@ -432,18 +446,70 @@ __global__ void bwd_simple_kernel(float* dq, float* dk, float* dv, const float* 
     }
     const float p = expf(sc * scale - L), ds = p * (dp - di) * scale;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int d = lane + 32 * e;
-      if (d >= D) continue;
-      dqa[e] += ds * k[kr + d];
-      if (dk) atomicAdd(dk + kr + d, ds * qr[e]);
-      if (dv) atomicAdd(dv + kr + d, p * dor[e]);
+    for (int e = 0; e < 4; ++e)
+      if (lane + 32 * e < D) dqa[e] += ds * k[kr + lane + 32 * e];
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    if (lane + 32 * e < D) dq[w * D + lane + 32 * e] += dqa[e];
+}
+
+__global__ void bwd_simple_dkv_kernel(float* dk, float* dv, const float* dout, const float* q, const float* k,
+                                      const float* v, const float* lse, const float* di_rows,
+                                      const int32_t* cu_q, const int32_t* cu_k, const int32_t* pos_q,
+                                      const int32_t* pos_k, int nseq, int Tk, int H, int KV, int D,
+                                      float scale) {
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (w >= static_cast<int64_t>(Tk) * KV) return;
+  const int j = static_cast<int>(w / KV), kvh = static_cast<int>(w % KV);
+  if (j >= cu_k[nseq] || j < cu_k[0]) return;
+  const int s = find_segment(cu_k, nseq, j);
+  const int qs = cu_q[s], qe = cu_q[s + 1], G = H / KV;
+  const int pk = pos_of(pos_k, j, cu_k[s]);
+  float kr[4], vr[4], dka[4], dva[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int d = lane + 32 * e;
+    kr[e] = d < D ? k[w * D + d] : 0.f;
+    vr[e] = d < D ? v[w * D + d] : 0.f;
+    dka[e] = dva[e] = 0.f;
+  }
+  for (int i = qs; i < qe; ++i) {
+    if (pos_of(pos_q, i, qs) < pk) continue;  // the query does not see this key
+    for (int hh = 0; hh < G; ++hh) {
+      const int64_t qw = static_cast<int64_t>(i) * H + kvh * G + hh;
+      const float L = lse[qw];
+      if (L == -INFINITY) continue;
+      float qv[4], dov[4], sc = 0.f, dp = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = lane + 32 * e;
+        qv[e] = d < D ? q[qw * D + d] : 0.f;
+        dov[e] = d < D ? dout[qw * D + d] : 0.f;
+        sc += qv[e] * kr[e];
+        dp += dov[e] * vr[e];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        sc += __shfl_xor_sync(0xffffffffu, sc, o);
+        dp += __shfl_xor_sync(0xffffffffu, dp, o);
+      }
+      const float p = expf(sc * scale - L), ds = p * (dp - di_rows[qw]) * scale;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dka[e] += ds * qv[e];
+        dva[e] += p * dov[e];
+      }
     }
   }
-  if (dq)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (lane + 32 * e < D) dq[w * D + lane + 32 * e] += dqa[e];
+  for (int e = 0; e < 4; ++e) {
+    const int d = lane + 32 * e;
+    if (d >= D) continue;
+    if (dk) dk[w * D + d] += dka[e];
+    if (dv) dv[w * D + d] += dva[e];
+  }
 }
 
 }  // namespace
@@ -457,34 +523,48 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
   fa::check_args(nseq, Tq, Tk, H, KV, D);
   if (Tq == 0 || Tk == 0 || nseq == 0 || (!dq && !dk && !dv)) return;
   if constexpr (std::is_same_v<T, float>) {
+    fa::Scratch di(sizeof(float) * static_cast<size_t>(Tq * H), stream);
     const int64_t threads = Tq * H * 32;
     fa::bwd_simple_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
-        dq, dk, dv, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, pos_q, pos_k, static_cast<int>(nseq),
-        static_cast<int>(Tq), static_cast<int>(H), static_cast<int>(KV), static_cast<int>(D), scale);
+        dq, di.as<float>(), dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, pos_q, pos_k,
+        static_cast<int>(nseq), static_cast<int>(Tq), static_cast<int>(H), static_cast<int>(KV),
+        static_cast<int>(D), scale);
     NDT_CUDA_CHECK_LAUNCH();
+    if (dk || dv) {
+      const int64_t kthreads = Tk * KV * 32;
+      fa::bwd_simple_dkv_kernel<<<static_cast<unsigned>((kthreads + 255) / 256), 256, 0, stream>>>(
+          dk, dv, dout, q, k, v, lse, di.as<float>(), cu_seqlens_q, cu_seqlens_k, pos_q, pos_k,
+          static_cast<int>(nseq), static_cast<int>(Tk), static_cast<int>(H), static_cast<int>(KV),
+          static_cast<int>(D), scale);
+      NDT_CUDA_CHECK_LAUNCH();
+    }
   } else {
-    for (const void* p : {static_cast<const void*>(dq), static_cast<const void*>(dk), static_cast<const void*>(dv),
-                          static_cast<const void*>(dout), static_cast<const void*>(q), static_cast<const void*>(k),
-                          static_cast<const void*>(v), static_cast<const void*>(out)})
+    for (const void* p :
+         {static_cast<const void*>(dq), static_cast<const void*>(dk), static_cast<const void*>(dv),
+          static_cast<const void*>(dout), static_cast<const void*>(q), static_cast<const void*>(k),
+          static_cast<const void*>(v), static_cast<const void*>(out)})
       if (p && !fa::aligned16(p)) fa::arg_error("cuda attention: bf16 tensors must be 16-byte aligned");
     if (D == 64)
       fa::launch_bwd<64>(dq, dk, dv, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, pos_q, pos_k,
-                         static_cast<int>(nseq), Tq, Tk, static_cast<int>(H), static_cast<int>(KV), scale, stream);
+                         static_cast<int>(nseq), Tq, Tk, static_cast<int>(H), static_cast<int>(KV), scale,
+                         stream);
     else
       fa::launch_bwd<128>(dq, dk, dv, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, pos_q, pos_k,
-                          static_cast<int>(nseq), Tq, Tk, static_cast<int>(H), static_cast<int>(KV), scale, stream);
+                          static_cast<int>(nseq), Tq, Tk, static_cast<int>(H), static_cast<int>(KV), scale,
+                          stream);
   }
 }
 
 template void attention_backward<float>(float*, float*, float*, const float*, const float*, const float*,
-                                        const float*, const float*, const float*, const int32_t*, const int32_t*,
-                                        const int32_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                        int64_t, float, cudaStream_t);
+                                        const float*, const float*, const float*, const int32_t*,
+                                        const int32_t*, const int32_t*, const int32_t*, int64_t, int64_t,
+                                        int64_t, int64_t, int64_t, int64_t, float, cudaStream_t);
 template void attention_backward<__nv_bfloat16>(__nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*,
-                                                const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
-                                                const __nv_bfloat16*, const __nv_bfloat16*, const float*,
-                                                const int32_t*, const int32_t*, const int32_t*, const int32_t*,
-                                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                                                const __nv_bfloat16*, const __nv_bfloat16*,
+                                                const __nv_bfloat16*, const __nv_bfloat16*,
+                                                const __nv_bfloat16*, const float*, const int32_t*,
+                                                const int32_t*, const int32_t*, const int32_t*, int64_t,
+                                                int64_t, int64_t, int64_t, int64_t, int64_t, float,
                                                 cudaStream_t);
 
 }  // namespace ndt::cuda

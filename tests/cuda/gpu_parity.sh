@@ -2,10 +2,10 @@
 # Multi-GPU parity: `ndtrain verify` of each layout against the single-GPU run (train.device=cuda,
 # fp32, one GPU per rank, NCCL). Same rule as the CPU parity rows (tests/parity/CMakeLists.txt): loss and
 # grad norm within 1e-5 relative per step, weights after 5 steps within 1e-4 of ||w_ref||_inf, logprobs
-# within 1e-4. Reduced gradients per tensor: relative L2 within 1e-3 here, against 1e-4 on the CPU, because
-# the GPU run does not reproduce itself to 1e-4: flash-attention backward accumulates dQ with float atomics
-# (order varies run to run), and one GPU against itself, no parallelism, measured up to 3.7e-4 in the last
-# layer's attention key weights of the 8-layer gpt2 rows (docs/gpu.md, Tests).
+# within 1e-4, reduced gradients per tensor within 1e-4 relative L2 (the fp32 GPU backward sums in a fixed
+# order, so one GPU reproduces itself bit for bit). One row allows 3e-4 for gradients: its 8-layer model's
+# last attention q/k gradients nearly cancel at steps 3-4, and any two layouts differ there by up to 2.8e-4,
+# on the CPU as on the GPU, dp2 and tp2 alike (docs/gpu.md, Tests).
 # The tiny configs get head dim 64 (the flash-attention kernels take 64 or 128).
 # Rows needing more GPUs than this machine has are listed as not run; no GPU at all: exit 77 (skip).
 # SHARE_GPU=1: every row runs, its ranks sharing the GPUs there are, with train.device_comm=mpi (device
@@ -65,10 +65,12 @@ for style in llama gpt2; do
       skipped+=("${style}_${name}(${np})")
       continue
     fi
+    tolg=1e-4
+    [[ $name == pp4_v2_packed ]] && tolg=3e-4  # see the header
     log=$(mktemp)
     # shellcheck disable=SC2086
     "$mpirun" --allow-run-as-root --oversubscribe -np "$np" "$ndtrain" verify --config "$src/configs/tiny-$style.yaml" \
-      --steps 5 --tol-grads 1e-3 --set "${base[@]}" $sets >"$log" 2>&1
+      --steps 5 --tol-grads $tolg --set "${base[@]}" $sets >"$log" 2>&1
     if grep -q "verify: PASS" "$log" && ! grep -q "FAIL" "$log"; then
       pass=$((pass + 1))
       echo "PASS ${style}_${name} ($np ranks): $(grep -m1 -o 'max ||w - w_ref||_inf / ||w_ref||_inf = [0-9.e+-]*' "$log")"
