@@ -1,13 +1,16 @@
 #include "train/fault.h"
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <thread>
+#include <utility>
 
 #include "core/check.h"
 #ifdef NDT_HAVE_CUDA
@@ -18,11 +21,35 @@
 namespace ndt {
 namespace {
 
-constexpr const char* kSyntax =
-    "expected KIND@step=S[,rank=R] or KIND@steps=A-B[,rank=R] (slow also ms=M), faults separated by ';', "
-    "KIND one of nan_grad, inf_grad, nan_loss, inf_loss, kill, abort, hang, slow, gpu_hang, "
-    "ckpt_write_error, "
-    "ckpt_short_write";
+// Every kind by its spec name, in Fault::Kind order: the parser, the syntax message and the log line read it.
+constexpr std::pair<const char*, Fault::Kind> kKinds[] = {{"nan_grad", Fault::Kind::NanGrad},
+                                                          {"inf_grad", Fault::Kind::InfGrad},
+                                                          {"nan_loss", Fault::Kind::NanLoss},
+                                                          {"inf_loss", Fault::Kind::InfLoss},
+                                                          {"kill", Fault::Kind::Kill},
+                                                          {"abort", Fault::Kind::Abort},
+                                                          {"hang", Fault::Kind::Hang},
+                                                          {"slow", Fault::Kind::Slow},
+                                                          {"gpu_hang", Fault::Kind::GpuHang},
+                                                          {"ckpt_write_error", Fault::Kind::CkptWriteError},
+                                                          {"ckpt_short_write", Fault::Kind::CkptShortWrite}};
+
+const char* kind_name(Fault::Kind k) {
+  for (const auto& [name, kind] : kKinds)
+    if (kind == k) return name;
+  return "?";
+}
+
+const std::string& syntax() {
+  static const std::string s = [] {
+    std::string names;
+    for (const auto& [name, kind] : kKinds) names += (names.empty() ? "" : ", ") + std::string(name);
+    return "expected KIND@step=S[,rank=R] or KIND@steps=A-B[,rank=R] (slow also ms=M), faults separated by "
+           "';', KIND one of " +
+           names;
+  }();
+  return s;
+}
 
 std::string trim(const std::string& s) {
   const auto b = s.find_first_not_of(" \t");
@@ -51,33 +78,14 @@ std::optional<int64_t> non_negative(const std::string& s) {
 Result<Fault> parse_one(const std::string& text) {
   const auto at = text.find('@');
   if (at == std::string::npos)
-    return Status::error(fmt::format("fault '{}' has no '@step=...' ({})", text, kSyntax));
+    return Status::error(fmt::format("fault '{}' has no '@step=...' ({})", text, syntax()));
   Fault f;
   const std::string kind = trim(text.substr(0, at));
-  if (kind == "nan_grad")
-    f.kind = Fault::Kind::NanGrad;
-  else if (kind == "inf_grad")
-    f.kind = Fault::Kind::InfGrad;
-  else if (kind == "nan_loss")
-    f.kind = Fault::Kind::NanLoss;
-  else if (kind == "inf_loss")
-    f.kind = Fault::Kind::InfLoss;
-  else if (kind == "kill")
-    f.kind = Fault::Kind::Kill;
-  else if (kind == "abort")
-    f.kind = Fault::Kind::Abort;
-  else if (kind == "hang")
-    f.kind = Fault::Kind::Hang;
-  else if (kind == "gpu_hang")
-    f.kind = Fault::Kind::GpuHang;
-  else if (kind == "slow")
-    f.kind = Fault::Kind::Slow;
-  else if (kind == "ckpt_write_error")
-    f.kind = Fault::Kind::CkptWriteError;
-  else if (kind == "ckpt_short_write")
-    f.kind = Fault::Kind::CkptShortWrite;
-  else
-    return Status::error(fmt::format("unknown fault kind '{}' in '{}' ({})", kind, text, kSyntax));
+  const auto known =
+      std::find_if(std::begin(kKinds), std::end(kKinds), [&](const auto& k) { return kind == k.first; });
+  if (known == std::end(kKinds))
+    return Status::error(fmt::format("unknown fault kind '{}' in '{}' ({})", kind, text, syntax()));
+  f.kind = known->second;
   bool have_step = false, have_rank = false, have_ms = false;
   for (const std::string& arg : split(text.substr(at + 1), ',')) {
     const auto eq = arg.find('=');
@@ -85,7 +93,7 @@ Result<Fault> parse_one(const std::string& text) {
                       val = eq == std::string::npos ? "" : trim(arg.substr(eq + 1));
     if (eq == std::string::npos ||
         (key != "step" && key != "steps" && key != "rank" && !(key == "ms" && f.kind == Fault::Kind::Slow)))
-      return Status::error(fmt::format("unknown fault argument '{}' in '{}' ({})", arg, text, kSyntax));
+      return Status::error(fmt::format("unknown fault argument '{}' in '{}' ({})", arg, text, syntax()));
     if (key == "ms") {
       const auto m = non_negative(val);
       if (!m || have_ms)
@@ -122,7 +130,7 @@ Result<Fault> parse_one(const std::string& text) {
     }
   }
   if (!have_step)
-    return Status::error(fmt::format("fault '{}' needs step=S or steps=A-B ({})", text, kSyntax));
+    return Status::error(fmt::format("fault '{}' needs step=S or steps=A-B ({})", text, syntax()));
   return f;
 }
 
@@ -137,7 +145,7 @@ Result<std::vector<Fault>> parse_fault_spec(const std::string& spec) {
   std::vector<Fault> out;
   if (trim(spec).empty()) return out;
   for (const std::string& part : split(spec, ';')) {
-    if (part.empty()) return Status::error(fmt::format("empty fault in '{}' ({})", spec, kSyntax));
+    if (part.empty()) return Status::error(fmt::format("empty fault in '{}' ({})", spec, syntax()));
     auto f = parse_one(part);
     if (!f) return f.status();
     out.push_back(f.value());
@@ -155,10 +163,8 @@ std::optional<float> fault_value(const std::vector<Fault>& faults, bool grad, in
 void apply_process_faults(const std::vector<Fault>& faults, int64_t step, int64_t world_rank, bool on_gpu) {
   for (const Fault& f : faults) {
     if (!f.on_process() || !f.fires(step, world_rank)) continue;
-    static const char* names[] = {"kill", "abort", "hang", "slow", "gpu_hang"};
-    std::fprintf(
-        stderr, "ndtrain [rank %lld]: injected fault %s at step %lld\n", static_cast<long long>(world_rank),
-        names[static_cast<int>(f.kind) - static_cast<int>(Fault::Kind::Kill)], static_cast<long long>(step));
+    std::fprintf(stderr, "ndtrain [rank %lld]: injected fault %s at step %lld\n",
+                 static_cast<long long>(world_rank), kind_name(f.kind), static_cast<long long>(step));
     std::fflush(stderr);
     switch (f.kind) {
       case Fault::Kind::Kill:
