@@ -17,6 +17,7 @@
 #include "core/check.h"
 #include "cuda/cuda_check.h"
 #include "cuda/runtime.h"
+#include "dist/device_communicator.h"
 #include "dist/watchdog.h"
 
 namespace ndt {
@@ -62,19 +63,6 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   NDT_FAIL("nccl: unknown reduce op {}", static_cast<int>(op));
 }
 
-bool is_device_ptr(const void* p) { return cuda::is_device_pointer(p); }
-
-// Routes a call with several buffers: all null/host -> host, all null/device -> device, else an error.
-bool device_call(std::initializer_list<const void*> ptrs, const char* what) {
-  bool any_dev = false, any_host = false;
-  for (const void* p : ptrs) {
-    if (!p) continue;
-    (is_device_ptr(p) ? any_dev : any_host) = true;
-  }
-  NDT_CHECK(!(any_dev && any_host), "{}: mixes device and host buffers", what);
-  return any_dev;
-}
-
 const char* at(const void* p, int64_t elems, DType dt) {
   return static_cast<const char*>(p) + elems * static_cast<int64_t>(dtype_size(dt));
 }
@@ -89,7 +77,7 @@ bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
 
 class Handle final : public CommHandle {
  public:
-  Handle(cudaStream_t compute, cudaStream_t comm) : compute_(compute) {
+  Handle(cudaStream_t compute, cudaStream_t comm, int group) : compute_(compute), group_(group) {
     NDT_CUDA_CHECK(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming));
     NDT_CUDA_CHECK(cudaEventRecord(ev_, comm));
   }
@@ -103,7 +91,7 @@ class Handle final : public CommHandle {
     finished_ = true;
   }
   void synchronize() override {
-    BlockingWait wait("an asynchronous NCCL collective", 0);
+    BlockingWait wait("an asynchronous NCCL collective", group_);
     NDT_CUDA_CHECK(cudaEventSynchronize(ev_));
     finished_ = true;
   }
@@ -121,6 +109,7 @@ class Handle final : public CommHandle {
   cudaStream_t compute_;
   cudaEvent_t ev_ = nullptr;
   bool finished_ = false;
+  int group_;  // ranks of the communicator (for the watchdog's message)
 };
 
 class NcclComm final : public NcclCommunicator {
@@ -166,23 +155,23 @@ class NcclComm final : public NcclCommunicator {
 
   void all_reduce(void* buf, int64_t count, DType dt, ReduceOp op) override {
     if (count == 0) return;
-    if (!device_call({buf}, "all_reduce")) return host_->all_reduce(buf, count, dt, op);
+    if (!device_buffers({buf}, "all_reduce")) return host_->all_reduce(buf, count, dt, op);
     begin("all_reduce");
     NDT_NCCL(ncclAllReduce(buf, buf, n(count), nccl_type(dt), nccl_op(op), comm_, stream_));
     end();
   }
 
   std::unique_ptr<CommHandle> all_reduce_async(void* buf, int64_t count, DType dt, ReduceOp op) override {
-    NDT_CHECK(count == 0 || is_device_ptr(buf), "all_reduce_async: needs a device buffer");
+    NDT_CHECK(count == 0 || cuda::is_device_pointer(buf), "all_reduce_async: needs a device buffer");
     begin("all_reduce (asynchronous)");
     if (count > 0) NDT_NCCL(ncclAllReduce(buf, buf, n(count), nccl_type(dt), nccl_op(op), comm_, stream_));
     issued();
-    return std::make_unique<Handle>(compute_, stream_);
+    return std::make_unique<Handle>(compute_, stream_, size());
   }
 
   void all_gather(const void* send, void* recv, int64_t count, DType dt) override {
     if (count == 0) return;
-    if (!device_call({send, recv}, "all_gather")) return host_->all_gather(send, recv, count, dt);
+    if (!device_buffers({send, recv}, "all_gather")) return host_->all_gather(send, recv, count, dt);
     // In place (send is our own block of recv) is NCCL's documented in-place form.
     begin("all_gather");
     NDT_NCCL(ncclAllGather(send, recv, n(count), nccl_type(dt), comm_, stream_));
@@ -191,7 +180,8 @@ class NcclComm final : public NcclCommunicator {
 
   void reduce_scatter(const void* send, void* recv, int64_t count, DType dt, ReduceOp op) override {
     if (count == 0) return;
-    if (!device_call({send, recv}, "reduce_scatter")) return host_->reduce_scatter(send, recv, count, dt, op);
+    if (!device_buffers({send, recv}, "reduce_scatter"))
+      return host_->reduce_scatter(send, recv, count, dt, op);
     begin("reduce_scatter");
     enqueue_reduce_scatter(send, recv, count, dt, op);
     end();
@@ -199,18 +189,18 @@ class NcclComm final : public NcclCommunicator {
 
   std::unique_ptr<CommHandle> reduce_scatter_async(const void* send, void* recv, int64_t count, DType dt,
                                                    ReduceOp op) override {
-    NDT_CHECK(count == 0 || (is_device_ptr(send) && is_device_ptr(recv)),
+    NDT_CHECK(count == 0 || (cuda::is_device_pointer(send) && cuda::is_device_pointer(recv)),
               "reduce_scatter_async: needs device buffers");
     begin("reduce_scatter (asynchronous)");
     if (count > 0) enqueue_reduce_scatter(send, recv, count, dt, op);
     issued();
-    return std::make_unique<Handle>(compute_, stream_);
+    return std::make_unique<Handle>(compute_, stream_, size());
   }
 
   void broadcast(void* buf, int64_t count, DType dt, int root) override {
     check_peer(root, "broadcast root");
     if (count == 0) return;
-    if (!device_call({buf}, "broadcast")) return host_->broadcast(buf, count, dt, root);
+    if (!device_buffers({buf}, "broadcast")) return host_->broadcast(buf, count, dt, root);
     begin("broadcast");
     NDT_NCCL(ncclBroadcast(buf, buf, n(count), nccl_type(dt), root, comm_, stream_));
     end();
@@ -219,7 +209,7 @@ class NcclComm final : public NcclCommunicator {
   void send(const void* buf, int64_t count, DType dt, int peer, int tag) override {
     check_peer(peer, "send peer");
     if (count == 0) return;  // as in the MPI backend: nothing is posted
-    if (!device_call({buf}, "send")) return host_->send(buf, count, dt, peer, tag);
+    if (!device_buffers({buf}, "send")) return host_->send(buf, count, dt, peer, tag);
     begin("send");
     NDT_NCCL(ncclSend(buf, n(count), nccl_type(dt), peer, comm_, stream_));
     end();
@@ -228,7 +218,7 @@ class NcclComm final : public NcclCommunicator {
   void recv(void* buf, int64_t count, DType dt, int peer, int tag) override {
     check_peer(peer, "recv peer");
     if (count == 0) return;
-    if (!device_call({buf}, "recv")) return host_->recv(buf, count, dt, peer, tag);
+    if (!device_buffers({buf}, "recv")) return host_->recv(buf, count, dt, peer, tag);
     begin("recv");
     NDT_NCCL(ncclRecv(buf, n(count), nccl_type(dt), peer, comm_, stream_));
     end();
@@ -238,7 +228,7 @@ class NcclComm final : public NcclCommunicator {
     bool any_dev = false, any_host = false;
     for (const P2POp& op : ops) {
       check_peer(op.peer, "batch_p2p peer");
-      if (op.buf && op.count > 0) (is_device_ptr(op.buf) ? any_dev : any_host) = true;
+      if (op.buf && op.count > 0) (cuda::is_device_pointer(op.buf) ? any_dev : any_host) = true;
     }
     NDT_CHECK(!(any_dev && any_host), "batch_p2p: mixes device and host buffers");
     if (any_host) return host_->batch_p2p(ops);
@@ -267,7 +257,7 @@ class NcclComm final : public NcclCommunicator {
     for (size_t i = 0; i < sz; ++i)
       for (int64_t v : {send_counts[i], send_offsets[i], recv_counts[i], recv_offsets[i]})
         NDT_CHECK(v >= 0, "all_to_all_v: negative count/offset {} for rank {}", v, i);
-    if (!device_call({send, recv}, "all_to_all_v"))
+    if (!device_buffers({send, recv}, "all_to_all_v"))
       return host_->all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dt);
     // One NCCL group of sends and receives; zero-count pairs are skipped on both sides (the counts agree).
     begin("all_to_all_v");

@@ -41,7 +41,7 @@ class StagedComm final : public Communicator {
   void set_watchdog(Watchdog* w) override { host_->set_watchdog(w); }
 
   void all_reduce(void* buf, int64_t count, DType dt, ReduceOp op) override {
-    if (count == 0 || !device_call({buf}, "all_reduce")) return host_->all_reduce(buf, count, dt, op);
+    if (count == 0 || !device_buffers({buf}, "all_reduce")) return host_->all_reduce(buf, count, dt, op);
     Stage s(bytes_of(count, dt));
     s.in(buf);
     if (dt == DType::BF16) {
@@ -55,7 +55,7 @@ class StagedComm final : public Communicator {
   }
 
   void all_gather(const void* send, void* recv, int64_t count, DType dt) override {
-    if (count == 0 || !device_call({send, recv}, "all_gather"))
+    if (count == 0 || !device_buffers({send, recv}, "all_gather"))
       return host_->all_gather(send, recv, count, dt);
     Stage in(bytes_of(count, dt)), out(bytes_of(size() * count, dt));
     in.in(send);  // copied first: send may be our own block of recv
@@ -64,7 +64,7 @@ class StagedComm final : public Communicator {
   }
 
   void reduce_scatter(const void* send, void* recv, int64_t count, DType dt, ReduceOp op) override {
-    if (count == 0 || !device_call({send, recv}, "reduce_scatter"))
+    if (count == 0 || !device_buffers({send, recv}, "reduce_scatter"))
       return host_->reduce_scatter(send, recv, count, dt, op);
     Stage in(bytes_of(size() * count, dt)), out(bytes_of(count, dt));
     in.in(send);
@@ -79,7 +79,7 @@ class StagedComm final : public Communicator {
   }
 
   void broadcast(void* buf, int64_t count, DType dt, int root) override {
-    if (count == 0 || !device_call({buf}, "broadcast")) return host_->broadcast(buf, count, dt, root);
+    if (count == 0 || !device_buffers({buf}, "broadcast")) return host_->broadcast(buf, count, dt, root);
     Stage s(bytes_of(count, dt));
     if (rank() == root) s.in(buf);
     host_->broadcast(s.data(), count, dt, root);
@@ -87,14 +87,14 @@ class StagedComm final : public Communicator {
   }
 
   void send(const void* buf, int64_t count, DType dt, int peer, int tag) override {
-    if (count == 0 || !device_call({buf}, "send")) return host_->send(buf, count, dt, peer, tag);
+    if (count == 0 || !device_buffers({buf}, "send")) return host_->send(buf, count, dt, peer, tag);
     Stage s(bytes_of(count, dt));
     s.in(buf);
     host_->send(s.data(), count, dt, peer, tag);
   }
 
   void recv(void* buf, int64_t count, DType dt, int peer, int tag) override {
-    if (count == 0 || !device_call({buf}, "recv")) return host_->recv(buf, count, dt, peer, tag);
+    if (count == 0 || !device_buffers({buf}, "recv")) return host_->recv(buf, count, dt, peer, tag);
     Stage s(bytes_of(count, dt));
     host_->recv(s.data(), count, dt, peer, tag);
     s.out(buf);
@@ -123,7 +123,7 @@ class StagedComm final : public Communicator {
                     const std::vector<int64_t>& send_offsets, void* recv,
                     const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& recv_offsets,
                     DType dt) override {
-    if (!device_call({send, recv}, "all_to_all_v"))
+    if (!device_buffers({send, recv}, "all_to_all_v"))
       return host_->all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dt);
     // The spans the counts and offsets cover (each rank's block is contiguous from its offset).
     auto span = [](const std::vector<int64_t>& counts, const std::vector<int64_t>& offsets) {
@@ -155,15 +155,6 @@ class StagedComm final : public Communicator {
   static std::unique_ptr<Communicator> wrap(std::unique_ptr<Communicator> c) {
     return c ? std::make_unique<StagedComm>(std::move(c)) : nullptr;
   }
-  // All null/host -> false, all null/device -> true, else an error (as the NCCL communicator decides).
-  static bool device_call(std::initializer_list<const void*> ptrs, const char* what) {
-    bool any_dev = false, any_host = false;
-    for (const void* p : ptrs)
-      if (p) (cuda::is_device_pointer(p) ? any_dev : any_host) = true;
-    NDT_CHECK(!(any_dev && any_host), "{}: mixes device and host buffers", what);
-    return any_dev;
-  }
-
   static std::vector<float> widen(Stage& s, int64_t count) {
     std::vector<float> f(static_cast<size_t>(count));
     const auto* h = reinterpret_cast<const uint16_t*>(s.data());
@@ -179,6 +170,14 @@ class StagedComm final : public Communicator {
 };
 
 }  // namespace
+
+bool device_buffers(std::initializer_list<const void*> ptrs, const char* what) {
+  bool any_dev = false, any_host = false;
+  for (const void* p : ptrs)
+    if (p) (cuda::is_device_pointer(p) ? any_dev : any_host) = true;
+  NDT_CHECK(!(any_dev && any_host), "{}: mixes device and host buffers", what);
+  return any_dev;
+}
 
 std::unique_ptr<Communicator> make_device_communicator(Communicator& mpi_group, int device,
                                                        const std::string& kind) {
