@@ -170,17 +170,23 @@ void Transformer::norm_backward(const std::string& prefix, Tensor& dx, const Ten
 Tensor Transformer::fused_weight(const std::string& pre, std::initializer_list<const char*> names) {
   const Tensor& flat = ps_->compute_dtype() == DType::F32 ? ps_->flat_values() : ps_->flat_compute();
   if (!flat.defined()) return Tensor();
-  int64_t begin = -1, end = 0, rows = 0, cols = 0;
+  // Contiguity from the compute views' addresses (each a view into `flat`): no search of the store's offsets
+  // on this per-step path.
+  const auto* base = static_cast<const char*>(flat.data_ptr());
+  const char* next = nullptr;
+  int64_t rows = 0, cols = 0;
   for (const char* n : names) {
     const Param* w = ps_->find(pre + n);
     if (!w || w->value.dim() != 2) return Tensor();
-    const int64_t off = ps_->offset_of(*w);
-    if (begin < 0) begin = end = off, cols = w->value.size(1);
-    if (off != end || w->value.size(1) != cols) return Tensor();
-    end = off + w->value.numel();
-    rows += w->value.size(0);
+    const Tensor& cv = w->compute_value();
+    const auto* at = static_cast<const char*>(cv.data_ptr());
+    if (!next) next = at, cols = cv.size(1);
+    if (at != next || cv.size(1) != cols) return Tensor();
+    next = at + cv.nbytes();
+    rows += cv.size(0);
   }
-  return flat.view_at(begin, {rows, cols});
+  const int64_t first = (next - base) / static_cast<int64_t>(dtype_size(flat.dtype())) - rows * cols;
+  return flat.view_at(first, {rows, cols});
 }
 
 Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor& x, LayerActs& a) {
