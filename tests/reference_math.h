@@ -35,4 +35,19 @@ inline std::vector<double> causal_gqa_attention(const std::vector<double>& q, co
   return att;
 }
 
+// The LM head: logits (T, V) = x (T, C) times head (V, C) transposed, row-major.
+template <typename W>
+std::vector<double> head_logits(const std::vector<double>& x, const std::vector<W>& head, int64_t T,
+                                int64_t C, int64_t V) {
+  std::vector<double> logits(static_cast<size_t>(T * V));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t v = 0; v < V; ++v) {
+      double s = 0;
+      for (int64_t i = 0; i < C; ++i)
+        s += x[static_cast<size_t>(t * C + i)] * head[static_cast<size_t>(v * C + i)];
+      logits[static_cast<size_t>(t * V + v)] = s;
+    }
+  return logits;
+}
+
 }  // namespace ndt::testing

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "bpe_fixtures.h"
 #include "core/check.h"
 #include "data/bpe_tokenizer.h"
 #include "temp_dir.h"
@@ -86,16 +87,7 @@ TEST(BpeTokenizer, MergesByRankWithTheGpt2PreTokenizer) {
 
 TEST(BpeTokenizer, SplitPatternAndIgnoreMerges) {
   testing::TempDir dir;
-  const nlohmann::json llama3_pre = {
-      {"type", "Sequence"},
-      {"pretokenizers",
-       {{{"type", "Split"},
-         {"pattern",
-          {{"Regex",
-            R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)"}}},
-         {"behavior", "Isolated"},
-         {"invert", false}},
-        {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
+  const nlohmann::json llama3_pre = testing::llama3_pre_tokenizer();
   const std::vector<std::pair<std::string, std::string>> merges = {
       {"3", "4"}, {"1", "2"}, {"12", "3"}, {"4", "5"}};
   // ids: 34 = 256, 12 = 257, 123 = 258, 45 = 259.

@@ -101,14 +101,7 @@ std::vector<double> reference_logits(const std::string& file, const ModelConfig&
   }
   const auto xf = rms(x, "model.norm.weight");
   const auto& head = cfg.tied() ? W["model.embed_tokens.weight"] : W["lm_head.weight"];
-  std::vector<double> logits(static_cast<size_t>(T * V));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t v2 = 0; v2 < V; ++v2) {
-      double s = 0;
-      for (int64_t c = 0; c < C; ++c) s += xf[t * C + c] * head[v2 * C + c];
-      logits[t * V + v2] = s;
-    }
-  return logits;
+  return testing::head_logits(xf, head, T, C, V);
 }
 
 double rel_max_diff(const std::vector<float>& a, const std::vector<double>& b) {

@@ -181,14 +181,7 @@ std::vector<double> reference_logits(const std::string& dir, const std::vector<i
   const auto xf = rms(x, C, W["model.norm.weight"]);
   const auto& head =
       c["tie_word_embeddings"].get<bool>() ? W["model.embed_tokens.weight"] : W["lm_head.weight"];
-  std::vector<double> logits(static_cast<size_t>(T * V));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t v2 = 0; v2 < V; ++v2) {
-      double s = 0;
-      for (int64_t i = 0; i < C; ++i) s += xf[t * C + i] * head[v2 * C + i];
-      logits[t * V + v2] = s;
-    }
-  return logits;
+  return testing::head_logits(xf, head, T, C, V);
 }
 
 double max_abs_diff(const std::vector<float>& a, const std::vector<double>& b) {

@@ -10,6 +10,7 @@
 #include <array>
 #include <nlohmann/json.hpp>
 
+#include "../bpe_fixtures.h"
 #include "data/bpe_tokenizer.h"
 #include "data/tokenizer.h"
 #include "fuzz_common.h"
@@ -60,16 +61,7 @@ std::unique_ptr<Tokenizer> make(const std::string& name, bool llama3) {
   j["model"] = {{"type", "BPE"}, {"vocab", vocab}, {"merges", jm}, {"ignore_merges", llama3}};
   j["added_tokens"] = {{{"id", id}, {"content", "<|endoftext|>"}, {"special", true}}};
   if (llama3)
-    j["pre_tokenizer"] = {
-        {"type", "Sequence"},
-        {"pretokenizers",
-         {{{"type", "Split"},
-           {"pattern",
-            {{"Regex",
-              R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)"}}},
-           {"behavior", "Isolated"},
-           {"invert", false}},
-          {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
+    j["pre_tokenizer"] = testing::llama3_pre_tokenizer();
   else
     j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}};
   const std::string path = fuzz::write_file(name + "/tokenizer.json", j.dump());

@@ -62,21 +62,13 @@ const std::string& step_dir() {
   return dir;
 }
 
-template <typename F>
-void guarded(F&& f) {
-  try {
-    f();
-  } catch (const Error&) {
-  }
-}
-
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string& dir = step_dir();
   const std::string text(fuzz::as_text(data, size));
   fuzz::write_file("ckpt/step-00000007/index.json", text);
-  guarded([&] {
+  fuzz::guarded([&] {
     auto meta = read_checkpoint_meta(dir);
     if (!meta) return;
     auto full = make_store(0, 1, 1, 0);
@@ -86,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     auto part = make_store(1, 3, 4, 2);  // "a" in 3 along dim 1, "c" in 4: the third piece
     (void)load_checkpoint(dir, *part, nullptr, nullptr);
   });
-  guarded([&] {
+  fuzz::guarded([&] {
     auto slices = checkpoint_slices_from_json(text);
     if (!slices) return;
     const std::string again = checkpoint_slices_to_json(slices.value());

@@ -16,6 +16,8 @@
 #include <string>
 #include <string_view>
 
+#include "core/check.h"
+
 namespace ndt::fuzz {
 
 // A fresh directory of this process under $TMPDIR (or /tmp), removed at a normal exit.
@@ -58,6 +60,15 @@ inline std::string write_file(const std::string& name, std::string_view bytes) {
 
 inline std::string_view as_text(const uint8_t* data, size_t size) {
   return {reinterpret_cast<const char*>(data), size};
+}
+
+// Runs f; a parser's rejection (ndt::Error) is an accepted outcome.
+template <typename F>
+void guarded(F&& f) {
+  try {
+    f();
+  } catch (const Error&) {
+  }
 }
 
 // A broken property (not a parser error): report and abort, so that libFuzzer keeps the input.

@@ -13,24 +13,12 @@
 
 using namespace ndt;
 
-namespace {
-
-template <typename F>
-void guarded(F&& f) {
-  try {
-    f();
-  } catch (const Error&) {
-  }
-}
-
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::unique_ptr<Tokenizer> tok = make_byte_tokenizer();
   const std::string in = fuzz::write_file("in.jsonl", fuzz::as_text(data, size));
   const char* templates[] = {"simple", "chatml", "llama3"};
   for (const char* name : templates)
-    guarded([&] {
+    fuzz::guarded([&] {
       auto d = SftDataset::load(in, *tok, 16, ChatTemplate::named(name).value());
       if (!d) return;
       for (int64_t i = 0; i < d.value()->size(); ++i) {
@@ -45,7 +33,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     cfg.posttrain.task = "jsonl";
     cfg.posttrain.data_path = in;
     cfg.posttrain.reward = k == 0 ? "exact_match" : k == 1 ? "contains" : "numeric";
-    guarded([&] {
+    fuzz::guarded([&] {
       auto p = make_preference_data(cfg, *tok);
       if (!p) return;
       for (int64_t i = 0; i < p.value()->size(); ++i) {
@@ -53,7 +41,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (pair.chosen.empty() || pair.rejected.empty()) fuzz::property_failed("DPO pair", "empty response");
       }
     });
-    guarded([&] {
+    fuzz::guarded([&] {
       auto t = make_reward_task(cfg, *tok);
       if (!t) return;
       const RewardTask& task = *t.value();
@@ -67,7 +55,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (task.max_answer_tokens() < 1) fuzz::property_failed("budget", "max_answer_tokens < 1");
     });
   }
-  guarded([&] {
+  fuzz::guarded([&] {
     const std::string prefix = fuzz::path("tok/shard");
     int64_t total = 0;
     if (!tokenize_text_files({in}, *tok, prefix, 64, &total)) return;
