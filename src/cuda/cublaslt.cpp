@@ -50,6 +50,10 @@ struct Plan {
 std::mutex g_mutex;
 std::map<int, DeviceState> g_devices;
 std::map<PlanKey, Plan> g_plans;
+// Problems whose sizes change from call to call (the MoE experts' rows) share one algorithm per class:
+// m, n and k rounded up to powers of two. The heuristic query costs far more than a small matmul, so it
+// runs once per class instead of once per size; the class plan's layouts take each call's sizes.
+std::map<PlanKey, Plan> g_class_plans;
 int64_t g_fallbacks = 0;
 
 int current_device() {
@@ -139,6 +143,24 @@ Plan make_plan(cublasLtHandle_t lt, DType ab, DType c, const ColMajor& p, bool b
   return plan;
 }
 
+int64_t pow2_ceil(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+// A class plan's layouts set to this problem's sizes (same types, transposes and leading dimensions).
+void set_sizes(Plan& plan, const ColMajor& p) {
+  auto set = [](cublasLtMatrixLayout_t l, uint64_t rows, uint64_t cols) {
+    NDT_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ROWS, &rows, sizeof(rows)));
+    NDT_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &cols, sizeof(cols)));
+  };
+  const auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
+  set(plan.a, u(p.ta ? p.k : p.m), u(p.ta ? p.m : p.k));
+  set(plan.b, u(p.tb ? p.n : p.k), u(p.tb ? p.k : p.n));
+  set(plan.c, u(p.m), u(p.n));
+}
+
 void fallback_gemm(DeviceState& s, DType ab, DType c, const ColMajor& p, float alpha, float beta, void* C,
                    cudaStream_t stream) {
   if (!s.blas) NDT_CUBLAS_CHECK(cublasCreate(&s.blas));  // default math mode: no TF32
@@ -187,8 +209,27 @@ void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, i
                     ab_,
                     ac};
   auto it = g_plans.find(key);
-  if (it == g_plans.end())
+  if (it == g_plans.end()) {
+    PlanKey ck = key;
+    std::get<5>(ck) = pow2_ceil(p.m);
+    std::get<6>(ck) = pow2_ceil(p.n);
+    std::get<7>(ck) = pow2_ceil(p.k);
+    auto cit = g_class_plans.find(ck);
+    if (cit != g_class_plans.end() && cit->second.ok) {
+      Plan& cp = cit->second;
+      set_sizes(cp, p);
+      if (epilogue_bias)
+        NDT_CUBLAS_CHECK(
+            cublasLtMatmulDescSetAttribute(cp.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+      const cublasStatus_t st = cublasLtMatmul(s.lt, cp.desc, &alpha, p.A, cp.a, p.B, cp.b, &beta, C, cp.c, C,
+                                               cp.c, &cp.algo, workspace(s, stream), kWorkspaceBytes, stream);
+      if (st == CUBLAS_STATUS_SUCCESS) return;
+      // This size needs an algorithm of its own: plan it exactly below.
+    }
     it = g_plans.emplace(key, make_plan(s.lt, ab, c, p, epilogue_bias, aa, ab_, ac)).first;
+    if (cit == g_class_plans.end())
+      g_class_plans.emplace(ck, make_plan(s.lt, ab, c, p, epilogue_bias, aa, ab_, ac));
+  }
   Plan& plan = it->second;
   if (!plan.ok) {
     if (epilogue_bias) {

@@ -455,6 +455,16 @@ TYPED_TEST(CudaOps, Linear) {
               static_cast<long long>(ndt::cuda::gemm_fallback_count() - fb0));
 }
 
+// Row counts that change from call to call (MoE experts) reuse one algorithm per power-of-two class with
+// the call's own sizes (cublaslt.cpp): each size against OpenBLAS, the class's first size first, then
+// smaller and larger ones of the same class, and sizes of neighbouring classes.
+TYPED_TEST(CudaOps, LinearVaryingRows) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  for (int64_t t : {700, 513, 1000, 1024, 650, 129, 1, 3, 2, 64, 65, 2047, 1500})
+    check_linear<E>(("rows " + std::to_string(t) + "x176->96").c_str(), t, 176, 96, false);
+}
+
 TYPED_TEST(CudaOps, CrossEntropy) {
   NDT_REQUIRE_GPU();
   using E = TypeParam;
