@@ -215,8 +215,11 @@ int64_t kept_bytes(const Activations& acts, const Tensor& out, const Tensor& inp
                             &a.n2_mean, &a.n2_rstd, &a.m_in,    &a.fc1,     &a.fc3,  &a.act})
       add(*t);
     const MoeActs& m = a.moe;
-    for (const Tensor* t :
-         {&m.x, &m.xf, &m.slot_pos, &m.gates, &m.row_token, &m.row_gate, &m.xe, &m.h1, &m.h3, &m.act, &m.yp})
+    const RoutedTokens& r = m.routed;
+    for (const Tensor* t : {&m.x,         &m.xf,       &m.logits,       &r.score,      &r.choice,
+                            &r.gate,      &r.lse,      &r.pnorm,        &r.slot_pos,   &r.kept_gate,
+                            &r.row_token, &r.row_gate, &m.loss.tok_seq, &m.loss.aux_w, &m.loss.aux_cnt,
+                            &m.xe,        &m.h1,       &m.h3,           &m.act,        &m.yp})
       add(*t);
   }
   for (const Tensor* t : {&acts.x_final, &acts.fn, &acts.fn_mean, &acts.fn_rstd, &acts.head_in, &acts.logits,
@@ -242,6 +245,7 @@ void expect_kept_activations(ModelConfig m, int tp, bool sp, bool recompute) {
   const int64_t T = mb.num_tokens(), Tl = sp ? T / tp : T;
   plan::ActDims d = plan::act_dims(cfg, T);
   d.granule = 1;
+  d.moe_aux = d.moe_z = false;  // the forward below runs without a step context: no MoE loss terms
   const int64_t L = m.n_layers;
   for (const plan::ChunkSpec c : {plan::ChunkSpec{0, L, true, true}, plan::ChunkSpec{0, 1, true, false},
                                   plan::ChunkSpec{1, L, false, true}}) {

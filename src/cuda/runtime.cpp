@@ -9,6 +9,7 @@
 #include "core/blocking_wait.h"
 #include "core/check.h"
 #include "cuda/cuda_check.h"
+#include "cuda/side_streams.h"
 
 namespace ndt::cuda {
 namespace {
@@ -19,7 +20,12 @@ struct DeviceState {
   std::once_flag once;
   cudaStream_t stream = nullptr;
   cudaMemPool_t pool = nullptr;
+  std::vector<cudaStream_t> side;  // side_streams.h, created on first use
+  std::vector<cudaEvent_t> side_done;
+  cudaEvent_t fork = nullptr;
 };
+
+thread_local cudaStream_t g_override = nullptr;  // OnSideStream
 
 DeviceState& state() {
   static DeviceState states[kMaxDevices];
@@ -41,12 +47,42 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 }  // namespace
 
-cudaStream_t stream() { return state().stream; }
+cudaStream_t stream() { return g_override ? g_override : state().stream; }
+
+void fork_side_streams(int n) {
+  DeviceState& s = state();
+  if (!s.fork) NDT_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
+  while (static_cast<int>(s.side.size()) < n) {
+    cudaStream_t st = nullptr;
+    cudaEvent_t ev = nullptr;
+    NDT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    NDT_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    s.side.push_back(st);
+    s.side_done.push_back(ev);
+  }
+  NDT_CUDA_CHECK(cudaEventRecord(s.fork, s.stream));
+  for (int i = 0; i < n; ++i) NDT_CUDA_CHECK(cudaStreamWaitEvent(s.side[static_cast<size_t>(i)], s.fork, 0));
+}
+
+void join_side_streams(int n) {
+  DeviceState& s = state();
+  for (int i = 0; i < n && i < static_cast<int>(s.side.size()); ++i) {
+    NDT_CUDA_CHECK(cudaEventRecord(s.side_done[static_cast<size_t>(i)], s.side[static_cast<size_t>(i)]));
+    NDT_CUDA_CHECK(cudaStreamWaitEvent(s.stream, s.side_done[static_cast<size_t>(i)], 0));
+  }
+}
+
+OnSideStream::OnSideStream(int i) : prev_(g_override) {
+  DeviceState& s = state();
+  NDT_CHECK(i >= 0 && i < static_cast<int>(s.side.size()), "side stream {} used before fork_side_streams", i);
+  g_override = s.side[static_cast<size_t>(i)];
+}
+OnSideStream::~OnSideStream() { g_override = prev_; }
 
 void* device_alloc(size_t bytes) {
   DeviceState& s = state();
   void* p = nullptr;
-  cudaError_t err = cudaMallocFromPoolAsync(&p, bytes, s.pool, s.stream);
+  cudaError_t err = cudaMallocFromPoolAsync(&p, bytes, s.pool, stream());
   if (err == cudaErrorMemoryAllocation) {
     cudaGetLastError();
     MemoryStats m = memory_stats();

@@ -2,8 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <optional>
 
 #include "ops/ops.h"
+
+#ifdef NDT_HAVE_CUDA
+#include "cuda/runtime.h"
+#include "cuda/side_streams.h"
+#endif
 
 namespace ndt {
 namespace {
@@ -15,10 +22,60 @@ Tensor as_f32(const Tensor& x) {
   return f;
 }
 
-// Host vector -> tensor on `dev` (the ops upload host metadata themselves; f32 data used in matmuls moves).
-Tensor on_device(const std::vector<float>& v, Shape shape, Device dev) {
-  Tensor h = Tensor::from_vector(v, std::move(shape));
-  return dev == Device::CPU ? h : h.to(dev);
+// Side streams the experts' matmuls spread over on a GPU: one expert's few hundred rows leave most of the
+// multiprocessors idle, several experts at once do not.
+constexpr int kExpertStreams = 4;
+
+// body(e, first row, rows) for every local expert with rows. On a GPU the experts go to side streams,
+// largest first, each to the stream with the fewest rows so far (deterministic: it depends on the counts
+// only; each expert's arithmetic is the same on any stream).
+void for_each_expert(const std::vector<int64_t>& counts, Device dev,
+                     const std::function<void(int64_t, int64_t, int64_t)>& body) {
+  const auto El = static_cast<int64_t>(counts.size());
+  std::vector<int64_t> first(counts.size(), 0);
+  for (int64_t e = 1; e < El; ++e)
+    first[static_cast<size_t>(e)] = first[static_cast<size_t>(e - 1)] + counts[static_cast<size_t>(e - 1)];
+  const int64_t busy = std::count_if(counts.begin(), counts.end(), [](int64_t n) { return n > 0; });
+#ifdef NDT_HAVE_CUDA
+  const int ns = dev == Device::CUDA ? static_cast<int>(std::min<int64_t>(kExpertStreams, busy)) : 0;
+#else
+  const int ns = 0;
+  (void)dev;
+#endif
+  if (ns < 2) {
+    for (int64_t e = 0; e < El; ++e)
+      if (counts[static_cast<size_t>(e)] > 0)
+        body(e, first[static_cast<size_t>(e)], counts[static_cast<size_t>(e)]);
+    return;
+  }
+#ifdef NDT_HAVE_CUDA
+  std::vector<int64_t> order(counts.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return counts[static_cast<size_t>(a)] > counts[static_cast<size_t>(b)];
+  });
+  std::vector<int64_t> load(static_cast<size_t>(ns), 0);
+  cuda::fork_side_streams(ns);
+  for (int64_t e : order) {
+    const int64_t n = counts[static_cast<size_t>(e)];
+    if (n == 0) break;
+    const auto st = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[st] += n;
+    cuda::OnSideStream on(static_cast<int>(st));
+    body(e, first[static_cast<size_t>(e)], n);
+  }
+  cuda::join_side_streams(ns);
+#endif
+}
+
+// A phase boundary for NDT_CUDA_PROFILE=1 (cuda/runtime.h): the label names the phase that starts here.
+void mark(Device dev, const char* label) {
+#ifdef NDT_HAVE_CUDA
+  if (dev == Device::CUDA) cuda::mark(label);
+#else
+  (void)dev;
+  (void)label;
+#endif
 }
 
 }  // namespace
@@ -62,65 +119,58 @@ MoeLayer::MoeLayer(const ModelConfig& cfg, const std::string& prefix, ParamStore
 }
 
 void MoeLayer::balance_terms(const Microbatch& mb, int64_t tok0, MoeActs& a) {
-  const int64_t N = a.routing.rows;
+  const int64_t N = a.logits.size(0), S = mb.nseq;
+  const bool record = ctx_ && ctx_->record;
+  const double aux_coef = cfg_.moe.aux_loss_coef, z_coef = cfg_.moe.z_loss_coef;
+  if (!ctx_ || (!record && aux_coef <= 0 && z_coef <= 0)) return;  // no statistics, no loss terms
   const int32_t* cu = mb.cu_seqlens.i32();
   const int32_t* pos = mb.positions.i32();
-  NDT_CHECK(static_cast<int64_t>(mb.seq_real.size()) == mb.nseq,
+  NDT_CHECK(static_cast<int64_t>(mb.seq_real.size()) == S,
             "MoE: microbatch lacks per-sequence real-token counts ({} for {} sequences)", mb.seq_real.size(),
-            mb.nseq);
+            S);
   // Sequence of each row, -1 for padding.
-  std::vector<int64_t> seq(static_cast<size_t>(N), -1);
+  std::vector<int32_t> seq(static_cast<size_t>(N), -1);
   for (int64_t t = 0, s = 0; t < N; ++t) {
     const int64_t g = tok0 + t;
-    while (s < mb.nseq && cu[s + 1] <= g) ++s;
-    if (s < mb.nseq && pos[g] < mb.seq_real[static_cast<size_t>(s)]) seq[static_cast<size_t>(t)] = s;
+    while (s < S && cu[s + 1] <= g) ++s;
+    if (s < S && pos[g] < mb.seq_real[static_cast<size_t>(s)])
+      seq[static_cast<size_t>(t)] = static_cast<int32_t>(s);
   }
-  const double aux_coef = cfg_.moe.aux_loss_coef, z_coef = cfg_.moe.z_loss_coef;
-  const bool record = ctx_ && ctx_->record;
-  if (record)
-    for (int64_t i = 0; i < N * k_; ++i) {
-      if (seq[static_cast<size_t>(i / k_)] >= 0)
-        stats_.load[static_cast<size_t>(a.routing.choice[static_cast<size_t>(i)])] += 1;
-      stats_.dropped += seq[static_cast<size_t>(i / k_)] >= 0 && a.routing.kept[static_cast<size_t>(i)] == 0;
-    }
-  if (!ctx_) return;
+  const Device dev = a.logits.device();
+  auto on_dev = [&](Tensor h) { return dev == Device::CPU ? h : h.to(dev); };
+  // Uploaded after route_tokens' synchronization (the stream is idle): one short round trip for the stats.
+  a.loss.tok_seq = on_dev(Tensor::from_vector(seq, {N}));
+  const std::vector<float> st = seq_stats(a.routed, a.loss.tok_seq, S, spec_);
+  const float* cnt = st.data();
+  const float* psum = st.data() + S * E_;
+  if (record) {
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t e = 0; e < E_; ++e) stats_.load[static_cast<size_t>(e)] += cnt[s * E_ + e];
+    stats_.dropped += st[static_cast<size_t>(2 * S * E_)];
+  }
   if (aux_coef > 0) {
     // Slots per (sequence, expert) over the whole sequence: summed over the ranks holding its tokens.
-    std::vector<float> count(static_cast<size_t>(mb.nseq * E_), 0.0f);
-    for (int64_t i = 0; i < N * k_; ++i)
-      if (const int64_t s = seq[static_cast<size_t>(i / k_)]; s >= 0)
-        count[static_cast<size_t>(s * E_ + a.routing.choice[static_cast<size_t>(i)])] += 1.0f;
+    std::vector<float> count(cnt, cnt + S * E_);
     if (seq_reduce_) seq_reduce_(count.data(), static_cast<int64_t>(count.size()));
-    const std::vector<float> P = balance_probs(a.routing, spec_);
-    a.dP.assign(static_cast<size_t>(N * E_), 0.0f);
+    // dP[t, e] = w_s * count[s, e] for the real tokens t of sequence s (moe.h); the value sums dP * P.
+    std::vector<float> w(static_cast<size_t>(S), 0.0f);
     double value = 0;
-    for (int64_t t = 0; t < N; ++t) {
-      const int64_t s = seq[static_cast<size_t>(t)];
-      if (s < 0) continue;
+    for (int64_t s = 0; s < S; ++s) {
       const double Ts = mb.seq_real[static_cast<size_t>(s)];
-      const double w = aux_coef * static_cast<double>(E_) / (static_cast<double>(k_) * Ts * Ts * ctx_->seqs);
-      for (int64_t e = 0; e < E_; ++e) {
-        const double d = w * count[static_cast<size_t>(s * E_ + e)];
-        a.dP[static_cast<size_t>(t * E_ + e)] = static_cast<float>(d);
-        value += d * P[static_cast<size_t>(t * E_ + e)];
-      }
+      if (Ts <= 0) continue;
+      w[static_cast<size_t>(s)] = static_cast<float>(aux_coef * static_cast<double>(E_) /
+                                                     (static_cast<double>(k_) * Ts * Ts * ctx_->seqs));
+      for (int64_t e = 0; e < E_; ++e)
+        value += static_cast<double>(w[static_cast<size_t>(s)]) * count[static_cast<size_t>(s * E_ + e)] *
+                 psum[s * E_ + e];
     }
     if (record) stats_.aux += value;
+    a.loss.aux_w = on_dev(Tensor::from_vector(w, {S}));
+    a.loss.aux_cnt = on_dev(Tensor::from_vector(count, {S, E_}));
   }
   if (z_coef > 0) {
-    a.dz.assign(static_cast<size_t>(N), 0.0f);
-    double value = 0;
-    for (int64_t t = 0; t < N; ++t) {
-      if (seq[static_cast<size_t>(t)] < 0) continue;
-      const float* l = a.logits.data() + t * E_;
-      const float mx = *std::max_element(l, l + E_);
-      double sum = 0;
-      for (int64_t e = 0; e < E_; ++e) sum += std::exp(static_cast<double>(l[e] - mx));
-      const double z = mx + std::log(sum);
-      a.dz[static_cast<size_t>(t)] = static_cast<float>(z_coef * 2.0 * z / ctx_->tokens);
-      value += z_coef * z * z / ctx_->tokens;
-    }
-    if (record) stats_.z += value;
+    a.loss.z_scale = z_coef * 2.0 / ctx_->tokens;
+    if (record) stats_.z += z_coef * st[static_cast<size_t>(2 * S * E_ + 1)] / ctx_->tokens;
   }
 }
 
@@ -129,62 +179,36 @@ Tensor MoeLayer::forward(const Microbatch& mb, int64_t tok0, const Tensor& x, Mo
   const Device dev = x.device();
   a = MoeActs();
   a.x = x;
-  // Router in fp32 (master weights), then routing on the host: the all-to-all needs the counts there anyway.
+  // Router in fp32 (master weights), routed where the logits live; only the per-expert counts come back
+  // to the host (the all-to-all needs them there). The loss terms' uploads follow that synchronization,
+  // when the stream is idle.
+  mark(dev, "moe router");
   a.xf = as_f32(x);
-  Tensor logits = Tensor::empty({N, E_}, DType::F32, dev);
-  if (N > 0) ops::linear_forward(logits, a.xf, router_->value, nullptr);
-  a.logits = logits.to_vector<float>();
-  const std::vector<float> bias = bias_ ? bias_->value.to_vector<float>() : std::vector<float>();
-  a.routing = route(a.logits.data(), bias_ ? bias.data() : nullptr, N, spec_);
+  a.logits = Tensor::empty({N, E_}, DType::F32, dev);
+  if (N > 0) ops::linear_forward(a.logits, a.xf, router_->value, nullptr);
+  mark(dev, "moe routing (host sync)");
+  a.routed = route_tokens(a.logits, bias_ ? &bias_->value : nullptr, spec_);
   balance_terms(mb, tok0, a);
+  mark(dev, "moe permute/dispatch/combine");
 
-  // Permutation: kept slots sorted by (expert, token, slot).
-  std::vector<int64_t> counts(static_cast<size_t>(E_), 0);
-  for (int64_t i = 0; i < N * k_; ++i)
-    if (a.routing.kept[static_cast<size_t>(i)])
-      ++counts[static_cast<size_t>(a.routing.choice[static_cast<size_t>(i)])];
-  std::vector<int64_t> next(static_cast<size_t>(E_), 0);
-  for (int64_t e = 1; e < E_; ++e)
-    next[static_cast<size_t>(e)] = next[static_cast<size_t>(e - 1)] + counts[static_cast<size_t>(e - 1)];
-  const int64_t R = next.back() + counts.back();
-  a.slot_pos = Tensor::empty({N * k_}, DType::I32);
-  a.gates = Tensor::empty({N * k_}, DType::F32);
-  a.row_token = Tensor::empty({R}, DType::I32);
-  a.row_gate = Tensor::empty({R}, DType::F32);
-  for (int64_t i = 0; i < N * k_; ++i) {
-    const bool kept = a.routing.kept[static_cast<size_t>(i)];
-    a.gates.f32()[i] = kept ? a.routing.gate[static_cast<size_t>(i)] : 0.0f;
-    if (!kept) {
-      a.slot_pos.i32()[i] = -1;
-      continue;
-    }
-    const int64_t r = next[static_cast<size_t>(a.routing.choice[static_cast<size_t>(i)])]++;
-    a.slot_pos.i32()[i] = static_cast<int32_t>(r);
-    a.row_token.i32()[r] = static_cast<int32_t>(i / k_);
-    a.row_gate.f32()[r] = a.routing.gate[static_cast<size_t>(i)];
-  }
-  if (dev != Device::CPU) {
-    // Uploaded once, right after the logits' copy (the stream is idle then); forward and backward ops
-    // then read them on the device instead of each uploading them behind queued kernels.
-    for (Tensor* t : {&a.slot_pos, &a.gates, &a.row_token, &a.row_gate}) *t = t->to(dev);
-  }
+  const int64_t R = a.routed.row_token.numel();
   Tensor xp = Tensor::empty({R, C_}, x.dtype(), dev);
-  ops::moe_permute(xp, x, a.row_token, nullptr);
-  a.plan = ep_->plan(counts);
+  ops::moe_permute(xp, x, a.routed.row_token, nullptr);
+  a.plan = ep_->plan(a.routed.counts);
   a.xe = ep_->dispatch(xp, a.plan);
   const int64_t Re = a.xe.size(0);
   a.h1 = Tensor::empty({Re, F_}, x.dtype(), dev);
   if (!cfg_.is_gpt2()) a.h3 = Tensor::empty({Re, F_}, x.dtype(), dev);
   a.act = Tensor::empty({Re, F_}, x.dtype(), dev);
   Tensor ye = Tensor::empty({Re, C_}, x.dtype(), dev);
-  for (int64_t e = 0, row = 0; e < El_; ++e) {
-    const int64_t n = a.plan.local_counts[static_cast<size_t>(e)];
-    if (n > 0) expert_forward(e, row, n, a, ye);
-    row += n;
-  }
+  mark(dev, "moe experts forward");
+  for_each_expert(a.plan.local_counts, dev,
+                  [&](int64_t e, int64_t row, int64_t n) { expert_forward(e, row, n, a, ye); });
+  mark(dev, "moe permute/dispatch/combine");
   a.yp = ep_->combine(ye, a.plan);
   Tensor out = Tensor::empty({N, C_}, x.dtype(), dev);
-  ops::moe_unpermute(out, a.yp, a.slot_pos, &a.gates, k_, /*accumulate=*/false);
+  ops::moe_unpermute(out, a.yp, a.routed.slot_pos, &a.routed.kept_gate, k_, /*accumulate=*/false);
+  mark(dev, "other");
   return out;
 }
 
@@ -236,29 +260,28 @@ void MoeLayer::expert_backward(int64_t e, int64_t row0, int64_t n, MoeActs& a, c
 Tensor MoeLayer::backward(const Tensor& dy, MoeActs& a) {
   const int64_t N = dy.size(0);
   const Device dev = dy.device();
+  const RoutedTokens& r = a.routed;
+  mark(dev, "moe permute/dispatch/combine");
   // Gates: dg_tj = dy_t . y_tj; expert rows: dy_t * g_tj.
   Tensor dgates = Tensor::empty({N * k_}, DType::F32, dev);
-  ops::moe_gate_grad(dgates, dy, a.yp, a.slot_pos, k_);
-  const std::vector<float> dg = dgates.to_vector<float>();
-  const int64_t R = a.row_token.numel();
+  ops::moe_gate_grad(dgates, dy, a.yp, r.slot_pos, k_);
+  const int64_t R = r.row_token.numel();
   Tensor dyp = Tensor::empty({R, C_}, dy.dtype(), dev);
-  ops::moe_permute(dyp, dy, a.row_token, &a.row_gate);
+  ops::moe_permute(dyp, dy, r.row_token, &r.row_gate);
   Tensor dye = ep_->dispatch(dyp, a.plan);
   Tensor dxe = Tensor::empty({a.xe.size(0), C_}, dy.dtype(), dev);
-  for (int64_t e = 0, row = 0; e < El_; ++e) {
-    const int64_t n = a.plan.local_counts[static_cast<size_t>(e)];
-    if (n > 0) expert_backward(e, row, n, a, dye, dxe);
-    row += n;
-  }
+  mark(dev, "moe experts backward");
+  for_each_expert(a.plan.local_counts, dev,
+                  [&](int64_t e, int64_t row, int64_t n) { expert_backward(e, row, n, a, dye, dxe); });
+  mark(dev, "moe permute/dispatch/combine");
   Tensor dxp = ep_->combine(dxe, a.plan);
   Tensor dx = Tensor::empty({N, C_}, dy.dtype(), dev);
-  ops::moe_unpermute(dx, dxp, a.slot_pos, nullptr, k_, /*accumulate=*/false);
+  ops::moe_unpermute(dx, dxp, r.slot_pos, nullptr, k_, /*accumulate=*/false);
   // Router: gates, balancing probabilities and z-loss -> logits -> router weight and input.
-  std::vector<float> dlogits(static_cast<size_t>(N * E_));
-  router_backward(dlogits.data(), a.routing, spec_, a.logits.data(), dg.data(),
-                  a.dP.empty() ? nullptr : a.dP.data(), a.dz.empty() ? nullptr : a.dz.data());
+  mark(dev, "moe router");
   if (N > 0) {
-    const Tensor dl = on_device(dlogits, {N, E_}, dev);
+    Tensor dl = Tensor::empty({N, E_}, DType::F32, dev);
+    router_backward(dl, r, spec_, a.logits, dgates, &a.loss);
     Tensor dxf = Tensor::empty({N, C_}, DType::F32, dev);
     ops::linear_backward(&dxf, router_->grad, nullptr, dl, a.xf, router_->value, /*accumulate_dinp=*/false);
     if (dx.dtype() == DType::F32) {
@@ -270,6 +293,7 @@ Tensor MoeLayer::backward(const Tensor& dy, MoeActs& a) {
     }
   }
   a = MoeActs();
+  mark(dev, "other");
   return dx;
 }
 

@@ -50,15 +50,11 @@ struct MoeStats {
 };
 
 struct MoeActs {
-  Tensor x;                   // (N, C) block input (the MLP norm's output)
-  Tensor xf;                  // (N, C) f32 router input (x itself when x is f32)
-  std::vector<float> logits;  // (N, E) router logits, host
-  Routing routing;            // host
-  std::vector<float> dP, dz;  // (N, E), (N): aux / z-loss gradients wrt P and logsumexp (empty: none)
-  // On the model's device (uploaded once per forward):
-  Tensor slot_pos;             // (N * k) i32: row of each slot in the permuted buffer, -1 if dropped
-  Tensor gates;                // (N * k) f32 (0 where dropped)
-  Tensor row_token, row_gate;  // (R) i32 / f32: token and gate of each permuted row
+  Tensor x;             // (N, C) block input (the MLP norm's output)
+  Tensor xf;            // (N, C) f32 router input (x itself when x is f32)
+  Tensor logits;        // (N, E) f32 router logits
+  RoutedTokens routed;  // scores, choices, permutation (model/moe_router.h); counts on the host
+  RouterLossGrad loss;  // the aux / z losses' gradient terms (tok_seq undefined: none)
   EpPlan plan;
   Tensor xe;           // (Re, C) rows of this rank's experts, grouped by local expert
   Tensor h1, h3, act;  // (Re, F) fc or gate; up (llama); activation

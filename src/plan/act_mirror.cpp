@@ -47,6 +47,9 @@ ActDims act_dims(const Config& cfg, int64_t T) {
       d.R = std::min(slots, d.E * cap);
     }
     d.Re = d.R;
+    d.moe_aux = e.aux_loss_coef > 0;
+    d.moe_z = e.z_loss_coef > 0;
+    d.seqs = std::max<int64_t>(1, cfg.train.micro_batch);
   }
   return d;
 }
@@ -285,9 +288,19 @@ class Mirror {
     const ActDims& d = d_;
     const int64_t N = d.Tl;
     if (d.b != 4) s.push_back(t_.alloc(N * d.C * 4));  // xf: fp32 router input
-    const Id logits = t_.alloc(N * d.E * 4);
-    for (int64_t n : {N * d.k * 4, N * d.k * 4, d.R * 4, d.R * 4})  // slot_pos, gates, row_token, row_gate
+    s.push_back(t_.alloc(N * d.E * 4));                // router logits
+    // route_tokens (model/moe_router.h): score, choice, gate, lse, pnorm, slot_pos, kept_gate, row_token,
+    // row_gate; then the per-expert counts, read back
+    for (int64_t n : {N * d.E * 4, N * d.k * 4, N * d.k * 4, N * 4, N * 4, N * d.k * 4, N * d.k * 4,
+                      N * d.k * 4, N * d.k * 4})
       s.push_back(t_.alloc(n));
+    t_.free(t_.alloc(d.E * 4));
+    if (d.moe_aux || d.moe_z) {  // the loss terms: sequence of each token, statistics (read back)
+      s.push_back(t_.alloc(N * 4));
+      t_.free(t_.alloc((2 * d.seqs * d.E + 2) * 4));
+    }
+    if (d.moe_aux)  // balancing-loss weight per sequence and count table
+      for (int64_t n : {d.seqs * 4, d.seqs * d.E * 4}) s.push_back(t_.alloc(n));
     const Id xp = t_.alloc(d.R * d.C * d.b);
     Id xe = xp;  // one EP rank: dispatch is the identity
     if (d.ep > 1) {
@@ -308,7 +321,6 @@ class Mirror {
     }
     s.push_back(yp);
     const Id out = t_.alloc(N * d.C * d.b);
-    t_.free(logits);
     if (d.ep > 1) t_.free({xp, ye});
     return out;
   }

@@ -18,9 +18,11 @@ struct ActDims {
   int64_t C = 0, D = 0, Hl = 0, KVl = 0, Fl = 0, Vl = 0;  // local heads, KV heads, MLP width, vocab
   int64_t Fs = 0;                                         // MoE shared experts' local width
   int64_t Fe = 0, E = 0, El = 0, k = 0;                   // MoE: expert width, experts, local experts, top-k
-  int64_t R = 0;                  // MoE: routed rows kept on this rank (N * k, fewer under a capacity factor)
-  int64_t Re = 0;                 // MoE: rows this rank's experts receive (R under balanced routing)
-  int64_t cp = 1, ep = 1, b = 2;  // b: bytes of an activation element (bf16 2, fp32 4)
+  int64_t R = 0;   // MoE: routed rows kept on this rank (N * k, fewer under a capacity factor)
+  int64_t Re = 0;  // MoE: rows this rank's experts receive (R under balanced routing)
+  bool moe_aux = false, moe_z = false;  // MoE: the step's loss terms (training forwards only)
+  int64_t seqs = 1;                     // MoE: sequences per microbatch (the aux loss's count table)
+  int64_t cp = 1, ep = 1, b = 2;        // b: bytes of an activation element (bf16 2, fp32 4)
   bool gpt2 = false, qk_norm = false, sp = false, ring = true, moe = false;
   int64_t granule = 256;  // allocation rounding (Tensor::empty on CUDA); 1 counts exact tensor bytes
 };

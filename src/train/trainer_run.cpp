@@ -9,6 +9,10 @@
 #include "train/safetensors.h"
 #include "train/trainer.h"
 
+#ifdef NDT_HAVE_CUDA
+#include "cuda/runtime.h"
+#endif
+
 namespace ndt {
 namespace {
 
@@ -165,8 +169,19 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
   const double tokens_per_step = static_cast<double>(tc.global_batch * cfg_.data.seq_len);
   int64_t step = start_step_;
   for (; step < tc.steps; ++step) {
+#ifdef NDT_HAVE_CUDA
+    if (cuda::profiling_enabled()) cuda::mark("other");
+#endif
     StepStats st = train_step(step);
     if (on_step) on_step(st);
+#ifdef NDT_HAVE_CUDA
+    // NDT_CUDA_PROFILE=1: the GPU time between the phase marks of this step (cuda/runtime.h), rank 0.
+    if (cuda::profiling_enabled()) {
+      cuda::mark("end");
+      const std::string phases = cuda::profile_report();
+      if (logger) std::printf("gpu phases, step %lld: %s\n", static_cast<long long>(step), phases.c_str());
+    }
+#endif
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (logger) {
       train_curve.emplace_back(step, st.loss);

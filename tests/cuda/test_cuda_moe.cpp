@@ -1,7 +1,8 @@
 // MoE row movement on the GPU against its CPU twin (ops::moe_permute / moe_unpermute / moe_gate_grad) on
-// random inputs, fp32 and bf16, with dropped slots; and a whole MoE layer's forward/backward on the GPU
-// against the CPU (router in fp32 on both sides). Tolerances: fp32 1e-5 relative to the output's max
-// magnitude, bf16 2e-2 (one bf16 rounding of inputs and outputs).
+// random inputs, fp32 and bf16, with dropped slots; the router (route_tokens, seq_stats, router_backward)
+// against its host twin; and a whole MoE layer's forward/backward on the GPU against the CPU (router in fp32
+// on both sides). Tolerances: fp32 1e-5 relative to the output's max magnitude, bf16 2e-2 (one bf16 rounding
+// of inputs and outputs).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 
 #include "gpu_test.h"
 #include "model/moe.h"
+#include "model/moe_router.h"
 #include "ops/ops.h"
 
 namespace ndt {
@@ -103,6 +105,66 @@ TEST(CudaMoe, RowMovementF32) {
 TEST(CudaMoe, RowMovementBf16) {
   NDT_REQUIRE_GPU();
   row_movement(DType::BF16);
+}
+
+// The router on the device against its host twin (model/moe_router.h) on random logits: scores, choices,
+// gates, logsumexp and the permutation exactly or within 1e-6 relative (exp/log may differ in the last bit
+// of a double); the router backward within 1e-5 of the largest gradient. Softmax and sigmoid (with a
+// selection bias), with and without a capacity factor, top-1 to top-4 of 6 to 64 experts; ties included
+// (logits rounded to a few values).
+void router_twin(const RouterSpec& spec, int64_t N, bool ties, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int64_t E = spec.experts, k = spec.top_k;
+  Tensor logits = rand_tensor({N, E}, rng), bias = rand_tensor({E}, rng);
+  if (ties)
+    for (int64_t i = 0; i < logits.numel(); ++i) logits.f32()[i] = std::round(logits.f32()[i] * 2.0f) / 2.0f;
+  for (int64_t e = 0; e < E; ++e) bias.f32()[e] *= 0.05f;
+  const Tensor* b = spec.sigmoid ? &bias : nullptr;
+  const RoutedTokens cpu = route_tokens(logits, b, spec);
+  const Tensor dlogits = logits.to(Device::CUDA), dbias = bias.to(Device::CUDA);
+  const RoutedTokens gpu = route_tokens(dlogits, spec.sigmoid ? &dbias : nullptr, spec);
+  EXPECT_EQ(gpu.counts, cpu.counts);
+  auto ints = [](const Tensor& t) { return t.to_vector<int32_t>(); };
+  EXPECT_EQ(ints(gpu.choice), ints(cpu.choice));
+  EXPECT_EQ(ints(gpu.slot_pos), ints(cpu.slot_pos));
+  EXPECT_EQ(ints(gpu.row_token), ints(cpu.row_token));
+  expect_close("score", gpu.score, cpu.score, 1e-6);
+  expect_close("gate", gpu.gate, cpu.gate, 1e-6);
+  expect_close("kept_gate", gpu.kept_gate, cpu.kept_gate, 1e-6);
+  expect_close("row_gate", gpu.row_gate, cpu.row_gate, 1e-6);
+  expect_close("lse", gpu.lse, cpu.lse, 1e-6);
+
+  expect_close("pnorm", gpu.pnorm, cpu.pnorm, 1e-6);
+
+  // Three sequences (token 0 is padding): statistics, then the backward from gate gradients, a balancing
+  // term and a z-loss term.
+  Tensor seq = Tensor::empty({N}, DType::I32);
+  for (int64_t t = 0; t < N; ++t) seq.i32()[t] = t == 0 ? -1 : static_cast<int32_t>(t % 3);
+  const Tensor seq_gpu = seq.to(Device::CUDA);
+  const std::vector<float> st_cpu = seq_stats(cpu, seq, 3, spec), st_gpu = seq_stats(gpu, seq_gpu, 3, spec);
+  expect_close("seq_stats", Tensor::from_vector(st_gpu, {static_cast<int64_t>(st_gpu.size())}),
+               Tensor::from_vector(st_cpu, {static_cast<int64_t>(st_cpu.size())}), 1e-6);
+  const Tensor dgate = rand_tensor({N * k}, rng), w = rand_tensor({3}, rng), cnt = rand_tensor({3, E}, rng);
+  const RouterLossGrad loss_cpu{seq, w, cnt, 0.37};
+  const RouterLossGrad loss_gpu{seq_gpu, w.to(Device::CUDA), cnt.to(Device::CUDA), 0.37};
+  Tensor dl_cpu = Tensor::empty({N, E}), dl_gpu = Tensor::empty({N, E}, DType::F32, Device::CUDA);
+  router_backward(dl_cpu, cpu, spec, logits, dgate, &loss_cpu);
+  router_backward(dl_gpu, gpu, spec, dlogits, dgate.to(Device::CUDA), &loss_gpu);
+  expect_close("dlogits", dl_gpu, dl_cpu, 1e-5);
+}
+
+TEST(CudaMoe, RouterMatchesHost) {
+  NDT_REQUIRE_GPU();
+  int seed = 1;
+  for (const bool sigmoid : {false, true})
+    for (const double cf : {0.0, 0.8})
+      for (const auto& [E, k] : std::vector<std::pair<int64_t, int64_t>>{{6, 1}, {16, 2}, {64, 4}})
+        for (const bool ties : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "sigmoid " << sigmoid << " cf " << cf << " E " << E << " k "
+                                            << k << " ties " << ties);
+          RouterSpec spec{E, k, sigmoid, /*renormalize=*/!sigmoid || k > 1, cf};
+          router_twin(spec, /*N=*/1000 + E, ties, static_cast<uint32_t>(seed++));
+        }
 }
 
 // One MoE layer (llama experts, top-2, aux and z losses) forward + backward on the GPU in fp32 against the
