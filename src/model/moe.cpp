@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 #include <optional>
 
@@ -23,8 +24,16 @@ Tensor as_f32(const Tensor& x) {
 }
 
 // Side streams the experts' matmuls spread over on a GPU: one expert's few hundred rows leave most of the
-// multiprocessors idle, several experts at once do not.
-constexpr int kExpertStreams = 4;
+// multiprocessors idle, several experts at once do not. NDT_MOE_STREAMS overrides the 4 (1: one stream),
+// for measurements (docs/performance.md).
+int expert_streams() {
+  static const int n = [] {
+    const char* v = std::getenv("NDT_MOE_STREAMS");
+    const int k = v && *v ? std::atoi(v) : 4;
+    return std::clamp(k, 1, 16);
+  }();
+  return n;
+}
 
 // body(e, first row, rows) for every local expert with rows. On a GPU the experts go to side streams,
 // largest first, each to the stream with the fewest rows so far (deterministic: it depends on the counts
@@ -37,7 +46,7 @@ void for_each_expert(const std::vector<int64_t>& counts, Device dev,
     first[static_cast<size_t>(e)] = first[static_cast<size_t>(e - 1)] + counts[static_cast<size_t>(e - 1)];
   const int64_t busy = std::count_if(counts.begin(), counts.end(), [](int64_t n) { return n > 0; });
 #ifdef NDT_HAVE_CUDA
-  const int ns = dev == Device::CUDA ? static_cast<int>(std::min<int64_t>(kExpertStreams, busy)) : 0;
+  const int ns = dev == Device::CUDA ? static_cast<int>(std::min<int64_t>(expert_streams(), busy)) : 0;
 #else
   const int ns = 0;
   (void)dev;
