@@ -6,10 +6,10 @@
 #include <numeric>
 #include <optional>
 
+#include "core/phase_mark.h"
 #include "ops/ops.h"
 
 #ifdef NDT_HAVE_CUDA
-#include "cuda/runtime.h"
 #include "cuda/side_streams.h"
 #endif
 
@@ -74,16 +74,6 @@ void for_each_expert(const std::vector<int64_t>& counts, Device dev,
     body(e, first[static_cast<size_t>(e)], n);
   }
   cuda::join_side_streams(ns);
-#endif
-}
-
-// A phase boundary for NDT_CUDA_PROFILE=1 (cuda/runtime.h): the label names the phase that starts here.
-void mark(Device dev, const char* label) {
-#ifdef NDT_HAVE_CUDA
-  if (dev == Device::CUDA) cuda::mark(label);
-#else
-  (void)dev;
-  (void)label;
 #endif
 }
 
@@ -191,14 +181,14 @@ Tensor MoeLayer::forward(const Microbatch& mb, int64_t tok0, const Tensor& x, Mo
   // Router in fp32 (master weights), routed where the logits live; only the per-expert counts come back
   // to the host (the all-to-all needs them there). The loss terms' uploads follow that synchronization,
   // when the stream is idle.
-  mark(dev, "moe router");
+  phase_mark(dev, "moe router");
   a.xf = as_f32(x);
   a.logits = Tensor::empty({N, E_}, DType::F32, dev);
   if (N > 0) ops::linear_forward(a.logits, a.xf, router_->value, nullptr);
-  mark(dev, "moe routing (host sync)");
+  phase_mark(dev, "moe routing (host sync)");
   a.routed = route_tokens(a.logits, bias_ ? &bias_->value : nullptr, spec_);
   balance_terms(mb, tok0, a);
-  mark(dev, "moe permute/dispatch/combine");
+  phase_mark(dev, "moe permute/dispatch/combine");
 
   const int64_t R = a.routed.row_token.numel();
   Tensor xp = Tensor::empty({R, C_}, x.dtype(), dev);
@@ -210,14 +200,14 @@ Tensor MoeLayer::forward(const Microbatch& mb, int64_t tok0, const Tensor& x, Mo
   if (!cfg_.is_gpt2()) a.h3 = Tensor::empty({Re, F_}, x.dtype(), dev);
   a.act = Tensor::empty({Re, F_}, x.dtype(), dev);
   Tensor ye = Tensor::empty({Re, C_}, x.dtype(), dev);
-  mark(dev, "moe experts forward");
+  phase_mark(dev, "moe experts forward");
   for_each_expert(a.plan.local_counts, dev,
                   [&](int64_t e, int64_t row, int64_t n) { expert_forward(e, row, n, a, ye); });
-  mark(dev, "moe permute/dispatch/combine");
+  phase_mark(dev, "moe permute/dispatch/combine");
   a.yp = ep_->combine(ye, a.plan);
   Tensor out = Tensor::empty({N, C_}, x.dtype(), dev);
   ops::moe_unpermute(out, a.yp, a.routed.slot_pos, &a.routed.kept_gate, k_, /*accumulate=*/false);
-  mark(dev, "other");
+  phase_mark(dev, "other");
   return out;
 }
 
@@ -270,7 +260,7 @@ Tensor MoeLayer::backward(const Tensor& dy, MoeActs& a) {
   const int64_t N = dy.size(0);
   const Device dev = dy.device();
   const RoutedTokens& r = a.routed;
-  mark(dev, "moe permute/dispatch/combine");
+  phase_mark(dev, "moe permute/dispatch/combine");
   // Gates: dg_tj = dy_t . y_tj; expert rows: dy_t * g_tj.
   Tensor dgates = Tensor::empty({N * k_}, DType::F32, dev);
   ops::moe_gate_grad(dgates, dy, a.yp, r.slot_pos, k_);
@@ -279,15 +269,15 @@ Tensor MoeLayer::backward(const Tensor& dy, MoeActs& a) {
   ops::moe_permute(dyp, dy, r.row_token, &r.row_gate);
   Tensor dye = ep_->dispatch(dyp, a.plan);
   Tensor dxe = Tensor::empty({a.xe.size(0), C_}, dy.dtype(), dev);
-  mark(dev, "moe experts backward");
+  phase_mark(dev, "moe experts backward");
   for_each_expert(a.plan.local_counts, dev,
                   [&](int64_t e, int64_t row, int64_t n) { expert_backward(e, row, n, a, dye, dxe); });
-  mark(dev, "moe permute/dispatch/combine");
+  phase_mark(dev, "moe permute/dispatch/combine");
   Tensor dxp = ep_->combine(dxe, a.plan);
   Tensor dx = Tensor::empty({N, C_}, dy.dtype(), dev);
   ops::moe_unpermute(dx, dxp, r.slot_pos, nullptr, k_, /*accumulate=*/false);
   // Router: gates, balancing probabilities and z-loss -> logits -> router weight and input.
-  mark(dev, "moe router");
+  phase_mark(dev, "moe router");
   if (N > 0) {
     Tensor dl = Tensor::empty({N, E_}, DType::F32, dev);
     router_backward(dl, r, spec_, a.logits, dgates, &a.loss);
@@ -302,7 +292,7 @@ Tensor MoeLayer::backward(const Tensor& dy, MoeActs& a) {
     }
   }
   a = MoeActs();
-  mark(dev, "other");
+  phase_mark(dev, "other");
   return dx;
 }
 

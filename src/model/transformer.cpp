@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/phase_mark.h"
 #include "ops/cpu_ops.h"
 #include "ops/ops.h"
 
@@ -227,6 +228,7 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   a.att = act({T, heads_local_, D});
   a.lse = stat({T, heads_local_});
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  phase_mark(a.q.device(), "attention core");
   if (kv_)
     kv_->attention_forward(l, mb, a.q, a.k, a.v, a.att, a.lse, scale);
   else if (cp_)
@@ -236,6 +238,7 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
                            zero_positions(T), scale);
   else
     ops::attention_forward(a.att, a.lse, a.q, a.k, a.v, mb.cu_seqlens, scale);
+  phase_mark(a.q.device(), "other");
   Tensor o_partial = act({T, C});
   ops::linear_forward(o_partial, a.att.view({T, heads_local_ * D}), p(pre + "attn.wo.weight").compute_value(),
                       nullptr);
@@ -336,6 +339,7 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
                        wo.compute_value(), /*accumulate_dinp=*/false);
   Tensor dq = act_zeros(a.q.shape()), dk = act_zeros(a.k.shape()), dv = act_zeros(a.v.shape());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  phase_mark(a.q.device(), "attention core");
   if (cp_)
     cp_->attention_backward(mb, datt, a.q, a.k, a.v, a.att, a.lse, dq, dk, dv, scale);
   else if (!cfg_.causal)
@@ -343,6 +347,7 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
                             zero_positions(T), zero_positions(T), scale);
   else
     ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, scale);
+  phase_mark(a.q.device(), "other");
   if (!cfg_.is_gpt2()) {
     ops::rope_backward(dq, mb.positions, theta);
     ops::rope_backward(dk, mb.positions, theta);
@@ -405,6 +410,7 @@ Tensor Transformer::forward(const Microbatch& mb, const Tensor& x_in, Activation
   if (!stage_.has_head) return x;
 
   acts.x_final = x;
+  phase_mark(x.device(), "head + loss");
   norm_forward("final_norm", x, acts.fn, acts.fn_mean, acts.fn_rstd);
   acts.head_in = tp_->enter_forward(acts.fn);
   const Tensor& w =
@@ -428,6 +434,7 @@ Tensor Transformer::forward(const Microbatch& mb, const Tensor& x_in, Activation
   ops::xent_target_logit(target_logit, acts.logits, mb.targets, vocab_start_);
   tp_->all_reduce_sum(target_logit.f32(), T);
   ops::xent_logprob(acts.logprob, target_logit, acts.rowmax, acts.sumexp);
+  phase_mark(x.device(), "other");
   return x;
 }
 
@@ -441,6 +448,7 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
   auto [tok0, Tl] = tp_->local_tokens(T);
   Tensor dx;
   if (stage_.has_head) {
+    phase_mark(acts.x_final.device(), "head + loss");
     Tensor dloss = stat({T});
     if (seed) {
       NDT_CHECK(seed->numel() == T, "loss seed has {} rows, the microbatch {}", seed->numel(), T);
@@ -458,6 +466,7 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
     Tensor dfn = tp_->enter_backward(dhead_in);
     dx = act_zeros({Tl, C});
     norm_backward("final_norm", dx, dfn, acts.x_final, acts.fn_mean, acts.fn_rstd);
+    phase_mark(dx.device(), "other");
   } else {
     NDT_CHECK(dy.defined() && dy.size(0) == Tl, "stage output gradient must have {} rows", Tl);
     dx = dy;

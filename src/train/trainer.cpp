@@ -8,6 +8,7 @@
 #include <limits>
 #include <map>
 
+#include "core/phase_mark.h"
 #include "data/packing.h"
 #include "data/synthetic.h"
 #include "train/evaluate.h"
@@ -201,7 +202,8 @@ std::vector<Microbatch> Trainer::microbatches(const std::vector<Sample>& samples
 }
 
 StepStats Trainer::train_step(int64_t step) {
-  apply_process_faults(faults_, step, c_.world->rank(), cfg_.train.device == "cuda");  // (reliability tests; none unless configured)
+  apply_process_faults(faults_, step, c_.world->rank(),
+                       cfg_.train.device == "cuda");  // (reliability tests; none unless configured)
   const auto t0 = std::chrono::steady_clock::now();
   return step_on(step, local_microbatches(step), nullptr, t0);
 }
@@ -227,7 +229,9 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   NDT_CHECK(n_tokens > 0, "step {}: the global batch has no loss-bearing tokens", step);
   const float scale = 1.0f / static_cast<float>(n_tokens);
 
+  phase_mark(engine_->params().device(), "zero grads");
   engine_->params().zero_grad();
+  phase_mark(engine_->params().device(), "other");
   if (companion_) {
     NDT_CHECK(token_loss == nullptr, "post-training steps do not take a second module (multimodal) yet");
     companion_->begin_step(step);  // phase 1: encoder forward, bridged to this rank's samples
@@ -251,6 +255,7 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
     // After backward, before the reduction: element 0 of the first local parameter's gradient.
     engine_->params().all().front()->grad.view_at(0, {1}).copy_from(Tensor::full({1}, *v));
   }
+  phase_mark(engine_->params().device(), "grad reduce, norm");
   const std::optional<bool> local_grads_finite = opt_->local_grads_finite();
   const double local_loss = loss_sum;
   c_.pp->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);    // only the last stage holds a loss
@@ -288,10 +293,12 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
     st.skipped = true;
   } else {
     consecutive_skips_ = 0;
+    phase_mark(engine_->params().device(), "optimizer");
     opt_->clip_grads(st.grad_norm, cfg_.train.grad_clip);
     opt_->step(st.lr);
     if (companion_) companion_->clip_and_step(st.grad_norm, cfg_.train.grad_clip, st.lr);
   }
+  phase_mark(engine_->params().device(), "other");
   st.skipped_steps = skipped_steps_;
   if (const auto moe = engine_->moe_layers(); !moe.empty())
     st.moe = finish_moe_step(cfg_, moe, *c_.grad, *c_.tp, *c_.pp, /*update_bias=*/!st.skipped);
