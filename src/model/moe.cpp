@@ -77,6 +77,18 @@ void for_each_expert(const std::vector<int64_t>& counts, Device dev,
 #endif
 }
 
+// Expert e's part of a stacked expert tensor (El, ...): a matrix (F, C) / (C, F) or a bias vector.
+Tensor expert_slice(const Tensor& t, int64_t e) {
+  Shape one(t.shape().begin() + 1, t.shape().end());
+  const int64_t n = shape_numel(one);
+  return t.view_at(e * n, std::move(one));
+}
+
+// Rows [row0, row0 + n) of a (rows, width) tensor.
+Tensor rows(const Tensor& t, int64_t row0, int64_t n) {
+  return t.view_at(row0 * t.size(-1), {n, t.size(-1)});
+}
+
 }  // namespace
 
 MoeLayer::MoeLayer(const ModelConfig& cfg, const std::string& prefix, ParamStore& ps, EpHooks* ep)
@@ -201,8 +213,7 @@ Tensor MoeLayer::forward(const Microbatch& mb, int64_t tok0, const Tensor& x, Mo
   a.act = Tensor::empty({Re, F_}, x.dtype(), dev);
   Tensor ye = Tensor::empty({Re, C_}, x.dtype(), dev);
   phase_mark(dev, "moe experts forward");
-  for_each_expert(a.plan.local_counts, dev,
-                  [&](int64_t e, int64_t row, int64_t n) { expert_forward(e, row, n, a, ye); });
+  experts_forward(a, ye);
   phase_mark(dev, "moe permute/dispatch/combine");
   a.yp = ep_->combine(ye, a.plan);
   Tensor out = Tensor::empty({N, C_}, x.dtype(), dev);
@@ -211,49 +222,71 @@ Tensor MoeLayer::forward(const Microbatch& mb, int64_t tok0, const Tensor& x, Mo
   return out;
 }
 
-void MoeLayer::expert_forward(int64_t e, int64_t row0, int64_t n, MoeActs& a, Tensor& ye) {
-  auto rows = [&](const Tensor& t, int64_t width) { return t.view_at(row0 * width, {n, width}); };
-  auto mat = [&](Param* p, int64_t r, int64_t c) { return p->compute_value().view_at(e * r * c, {r, c}); };
-  auto vec = [&](Param* p, int64_t c) { return p->compute_value().view_at(e * c, {c}); };
-  Tensor xe = rows(a.xe, C_), h1 = rows(a.h1, F_), act = rows(a.act, F_), y = rows(ye, C_);
-  if (cfg_.is_gpt2()) {
-    const Tensor b1 = vec(b_[0], F_), b2 = vec(b_[1], C_);
-    ops::linear_forward(h1, xe, mat(w_[0], F_, C_), &b1);
-    ops::gelu_forward(act, h1);
-    ops::linear_forward(y, act, mat(w_[1], C_, F_), &b2);
-  } else {
-    Tensor h3 = rows(a.h3, F_);
-    ops::linear_forward(h1, xe, mat(w_[0], F_, C_), nullptr);
-    ops::linear_forward(h3, xe, mat(w_[1], F_, C_), nullptr);
-    ops::swiglu_forward(act, h1, h3);
-    ops::linear_forward(y, act, mat(w_[2], C_, F_), nullptr);
-  }
+void MoeLayer::experts_forward(MoeActs& a, Tensor& ye) {
+  const std::vector<int64_t>& counts = a.plan.local_counts;
+  const Device dev = a.xe.device();
+  auto mat = [](Param* p, int64_t e) { return expert_slice(p->compute_value(), e); };
+  const bool gpt2 = cfg_.is_gpt2();
+  // Matmuls per expert (side streams on a GPU), the activation over all experts' rows in one launch.
+  for_each_expert(counts, dev, [&](int64_t e, int64_t row0, int64_t n) {
+    Tensor xe = rows(a.xe, row0, n), h1 = rows(a.h1, row0, n);
+    if (gpt2) {
+      const Tensor b1 = mat(b_[0], e);
+      ops::linear_forward(h1, xe, mat(w_[0], e), &b1);
+    } else {
+      Tensor h3 = rows(a.h3, row0, n);
+      ops::linear_forward(h1, xe, mat(w_[0], e), nullptr);
+      ops::linear_forward(h3, xe, mat(w_[1], e), nullptr);
+    }
+  });
+  if (gpt2)
+    ops::gelu_forward(a.act, a.h1);
+  else
+    ops::swiglu_forward(a.act, a.h1, a.h3);
+  for_each_expert(counts, dev, [&](int64_t e, int64_t row0, int64_t n) {
+    Tensor act = rows(a.act, row0, n), y = rows(ye, row0, n);
+    if (gpt2) {
+      const Tensor b2 = mat(b_[1], e);
+      ops::linear_forward(y, act, mat(w_[1], e), &b2);
+    } else {
+      ops::linear_forward(y, act, mat(w_[2], e), nullptr);
+    }
+  });
 }
 
-void MoeLayer::expert_backward(int64_t e, int64_t row0, int64_t n, MoeActs& a, const Tensor& dye,
-                               Tensor& dxe) {
-  auto rows = [&](const Tensor& t, int64_t width) { return t.view_at(row0 * width, {n, width}); };
-  auto mat = [&](Param* p, int64_t r, int64_t c) { return p->compute_value().view_at(e * r * c, {r, c}); };
-  auto dmat = [&](Param* p, int64_t r, int64_t c) { return p->grad.view_at(e * r * c, {r, c}); };
-  auto dvec = [&](Param* p, int64_t c) { return p->grad.view_at(e * c, {c}); };
+void MoeLayer::experts_backward(MoeActs& a, const Tensor& dye, Tensor& dxe) {
+  const std::vector<int64_t>& counts = a.plan.local_counts;
   const Device dev = a.xe.device();
   const DType dt = a.xe.dtype();
-  Tensor xe = rows(a.xe, C_), h1 = rows(a.h1, F_), act = rows(a.act, F_), dy = rows(dye, C_),
-         dx = rows(dxe, C_);
-  Tensor dact = Tensor::empty({n, F_}, dt, dev), dh1 = Tensor::empty({n, F_}, dt, dev);
-  if (cfg_.is_gpt2()) {
-    Tensor gw2 = dmat(w_[1], C_, F_), gb2 = dvec(b_[1], C_), gw1 = dmat(w_[0], F_, C_), gb1 = dvec(b_[0], F_);
-    ops::linear_backward(&dact, gw2, &gb2, dy, act, mat(w_[1], C_, F_), /*accumulate_dinp=*/false);
-    ops::gelu_backward(dh1, dact, h1, /*accumulate=*/false);
-    ops::linear_backward(&dx, gw1, &gb1, dh1, xe, mat(w_[0], F_, C_), /*accumulate_dinp=*/false);
-  } else {
-    Tensor h3 = rows(a.h3, F_), dh3 = Tensor::empty({n, F_}, dt, dev);
-    Tensor gw1 = dmat(w_[0], F_, C_), gw3 = dmat(w_[1], F_, C_), gw2 = dmat(w_[2], C_, F_);
-    ops::linear_backward(&dact, gw2, nullptr, dy, act, mat(w_[2], C_, F_), /*accumulate_dinp=*/false);
-    ops::swiglu_backward(dh1, dh3, dact, h1, h3, /*accumulate=*/false);
-    ops::linear_backward(&dx, gw1, nullptr, dh1, xe, mat(w_[0], F_, C_), /*accumulate_dinp=*/false);
-    ops::linear_backward(&dx, gw3, nullptr, dh3, xe, mat(w_[1], F_, C_));
-  }
+  const int64_t Re = a.xe.size(0);
+  auto mat = [](Param* p, int64_t e) { return expert_slice(p->compute_value(), e); };
+  auto dmat = [](Param* p, int64_t e) { return expert_slice(p->grad, e); };
+  const bool gpt2 = cfg_.is_gpt2();
+  Param* w_out = gpt2 ? w_[1] : w_[2];
+  Tensor dact = Tensor::empty({Re, F_}, dt, dev), dh1 = Tensor::empty({Re, F_}, dt, dev);
+  for_each_expert(counts, dev, [&](int64_t e, int64_t row0, int64_t n) {
+    Tensor da = rows(dact, row0, n), gw = dmat(w_out, e);
+    Tensor gb = gpt2 ? dmat(b_[1], e) : Tensor();
+    ops::linear_backward(&da, gw, gpt2 ? &gb : nullptr, rows(dye, row0, n), rows(a.act, row0, n),
+                         mat(w_out, e),
+                         /*accumulate_dinp=*/false);
+  });
+  Tensor dh3 = gpt2 ? Tensor() : Tensor::empty({Re, F_}, dt, dev);
+  if (gpt2)
+    ops::gelu_backward(dh1, dact, a.h1, /*accumulate=*/false);
+  else
+    ops::swiglu_backward(dh1, dh3, dact, a.h1, a.h3, /*accumulate=*/false);
+  dact = Tensor();
+  for_each_expert(counts, dev, [&](int64_t e, int64_t row0, int64_t n) {
+    Tensor dx = rows(dxe, row0, n), xe = rows(a.xe, row0, n), gw1 = dmat(w_[0], e);
+    Tensor gb1 = gpt2 ? dmat(b_[0], e) : Tensor();
+    ops::linear_backward(&dx, gw1, gpt2 ? &gb1 : nullptr, rows(dh1, row0, n), xe, mat(w_[0], e),
+                         /*accumulate_dinp=*/false);
+    if (!gpt2) {
+      Tensor gw3 = dmat(w_[1], e);
+      ops::linear_backward(&dx, gw3, nullptr, rows(dh3, row0, n), xe, mat(w_[1], e));
+    }
+  });
 }
 
 Tensor MoeLayer::backward(const Tensor& dy, MoeActs& a) {
@@ -270,8 +303,7 @@ Tensor MoeLayer::backward(const Tensor& dy, MoeActs& a) {
   Tensor dye = ep_->dispatch(dyp, a.plan);
   Tensor dxe = Tensor::empty({a.xe.size(0), C_}, dy.dtype(), dev);
   phase_mark(dev, "moe experts backward");
-  for_each_expert(a.plan.local_counts, dev,
-                  [&](int64_t e, int64_t row, int64_t n) { expert_backward(e, row, n, a, dye, dxe); });
+  experts_backward(a, dye, dxe);
   phase_mark(dev, "moe permute/dispatch/combine");
   Tensor dxp = ep_->combine(dxe, a.plan);
   Tensor dx = Tensor::empty({N, C_}, dy.dtype(), dev);

@@ -79,8 +79,9 @@ class MoeLayer {
   const RouterSpec& spec() const { return spec_; }
 
  private:
-  void expert_forward(int64_t e, int64_t row0, int64_t n, MoeActs& a, Tensor& ye);
-  void expert_backward(int64_t e, int64_t row0, int64_t n, MoeActs& a, const Tensor& dye, Tensor& dxe);
+  // The local experts on their rows of a.xe: matmuls per expert, the activation over all rows at once.
+  void experts_forward(MoeActs& a, Tensor& ye);
+  void experts_backward(MoeActs& a, const Tensor& dye, Tensor& dxe);
   // Per-token aux / z gradients (and stats) from the routing of real tokens.
   void balance_terms(const Microbatch& mb, int64_t tok0, MoeActs& a);
 

@@ -338,10 +338,12 @@ class Mirror {
       t_.free(recv);
     }
     const Id dxe = t_.alloc(d.Re * d.C * d.b);
-    const int64_t rows = d.Re / std::max<int64_t>(d.El, 1);  // one expert's rows, balanced
-    std::vector<Id> per_expert = {t_.alloc(rows * d.Fe * d.b), t_.alloc(rows * d.Fe * d.b)};  // dact, dh1
-    if (!d.gpt2) per_expert.push_back(t_.alloc(rows * d.Fe * d.b));                           // dh3
-    t_.free(per_expert);
+    // MoeLayer::experts_backward: dact and dh1 over all rows, dh3 (llama); dact dies after the activation.
+    const Id dact = t_.alloc(d.Re * d.Fe * d.b), dh1 = t_.alloc(d.Re * d.Fe * d.b);
+    const Id dh3 = d.gpt2 ? kNone : t_.alloc(d.Re * d.Fe * d.b);
+    t_.free(dact);
+    t_.free(dh1);
+    if (dh3 != kNone) t_.free(dh3);
     Id dxp = dxe;
     if (d.ep > 1) {
       const Id src_major = t_.alloc(d.Re * d.C * d.b);
