@@ -181,6 +181,40 @@ TEST(RewardRules, ExactContainsNumeric) {
   EXPECT_THROW(rule_reward("fuzzy", "a", "a"), Error);
 }
 
+TEST(RewardRules, PartialMatchCreditsPositions) {
+  EXPECT_EQ(rule_reward("partial_match", "8611", "8611"), 1.0);
+  EXPECT_EQ(rule_reward("partial_match", "8611", " 8611\n"), 1.0);  // trimmed like exact_match
+  EXPECT_EQ(rule_reward("partial_match", "8611", "8011"), 0.75);    // one digit wrong
+  EXPECT_EQ(rule_reward("partial_match", "8611", "861"), 0.75);     // one digit missing
+  EXPECT_EQ(rule_reward("partial_match", "861", "86111"), 0.6);     // two extra: over the longer length
+  EXPECT_EQ(rule_reward("partial_match", "861", "168"), 1.0 / 3);   // the middle digit only
+  EXPECT_EQ(rule_reward("partial_match", "861", ""), 0.0);
+  EXPECT_EQ(rule_reward("partial_match", "", ""), 1.0);
+  // Only the exact answer reaches 1, so solved_rate and held-out exact match keep their meaning.
+  EXPECT_LT(rule_reward("partial_match", "12", "123"), 1.0);
+}
+
+TEST(RewardTask, BuiltinTasksTakeExactOrPartialMatch) {
+  auto tokp = make_byte_tokenizer();
+  const Tokenizer& tok = *tokp;
+  for (const char* name : {"addition", "sort"}) {
+    auto partial = task_of(task_config(name, "", "partial_match"), tok);
+    auto exact = task_of(task_config(name, "", "exact_match"), tok);
+    const RlPrompt p = partial->prompt(3);
+    std::string one_off = p.answer;
+    one_off[0] = one_off[0] == '5' ? '6' : '5';
+    const double n = static_cast<double>(p.answer.size());
+    EXPECT_EQ(partial->reward(p, p.answer), 1.0) << name;
+    EXPECT_DOUBLE_EQ(partial->reward(p, one_off), (n - 1) / n) << name;
+    EXPECT_EQ(exact->reward(p, one_off), 0.0) << name;
+    EXPECT_EQ(exact->reward(p, " " + p.answer), 0.0) << name;  // built-in tasks compare untrimmed
+    for (const char* jsonl_only : {"contains", "numeric"})
+      EXPECT_NE(reward_error(task_config(name, "", jsonl_only), tok).find("applies to posttrain.task jsonl"),
+                std::string::npos)
+          << name << " " << jsonl_only;
+  }
+}
+
 TEST(RewardTask, JsonlPromptsSplitAndRewards) {
   TempDir d;
   auto tok = make_byte_tokenizer();

@@ -52,10 +52,15 @@ std::vector<RlPrompt> to_rl(const std::vector<EvalProblem>& problems) {
   return out;
 }
 
+// Reward of a built-in task's completion: the exact answer, or partial credit per position.
+double builtin_reward(bool partial, const std::string& answer, const std::string& completion) {
+  return partial ? rule_reward("partial_match", answer, completion) : (completion == answer ? 1.0 : 0.0);
+}
+
 class AdditionRewardTask final : public RewardTask {
  public:
-  AdditionRewardTask(int64_t digits, int64_t seed, const Tokenizer& tok)
-      : digits_(digits), seed_(seed), tok_(tok), budget_(digit_budget(tok, digits + 1)) {}
+  AdditionRewardTask(int64_t digits, int64_t seed, bool partial, const Tokenizer& tok)
+      : digits_(digits), seed_(seed), partial_(partial), tok_(tok), budget_(digit_budget(tok, digits + 1)) {}
   std::string name() const override { return "addition"; }
   int64_t size() const override { return -1; }
   RlPrompt prompt(int64_t index) const override {
@@ -65,19 +70,22 @@ class AdditionRewardTask final : public RewardTask {
   std::vector<RlPrompt> eval_prompts(int64_t n) const override {
     return to_rl(addition_eval_problems(digits_, seed_, n, tok_));
   }
-  double reward(const RlPrompt& p, const std::string& c) const override { return c == p.answer ? 1.0 : 0.0; }
+  double reward(const RlPrompt& p, const std::string& c) const override {
+    return builtin_reward(partial_, p.answer, c);
+  }
   int64_t max_answer_tokens() const override { return budget_; }
 
  private:
   int64_t digits_, seed_;
+  bool partial_;
   const Tokenizer& tok_;
   int64_t budget_;
 };
 
 class SortRewardTask final : public RewardTask {
  public:
-  SortRewardTask(int64_t max_len, int64_t seed, const Tokenizer& tok)
-      : max_len_(max_len), seed_(seed), tok_(tok), budget_(digit_budget(tok, max_len)) {}
+  SortRewardTask(int64_t max_len, int64_t seed, bool partial, const Tokenizer& tok)
+      : max_len_(max_len), seed_(seed), partial_(partial), tok_(tok), budget_(digit_budget(tok, max_len)) {}
   std::string name() const override { return "sort"; }
   int64_t size() const override { return -1; }
   RlPrompt prompt(int64_t index) const override {
@@ -87,11 +95,14 @@ class SortRewardTask final : public RewardTask {
   std::vector<RlPrompt> eval_prompts(int64_t n) const override {
     return to_rl(sort_eval_problems(max_len_, seed_, n, tok_));
   }
-  double reward(const RlPrompt& p, const std::string& c) const override { return c == p.answer ? 1.0 : 0.0; }
+  double reward(const RlPrompt& p, const std::string& c) const override {
+    return builtin_reward(partial_, p.answer, c);
+  }
   int64_t max_answer_tokens() const override { return budget_; }
 
  private:
   int64_t max_len_, seed_;
+  bool partial_;
   const Tokenizer& tok_;
   int64_t budget_;
 };
@@ -137,9 +148,10 @@ Result<std::unique_ptr<RewardTask>> load_jsonl_task(const Config& cfg, const Tok
   const PosttrainConfig& pc = cfg.posttrain;
   const std::string& path = pc.data_path;
   if (path.empty()) return Status::error("posttrain.task jsonl needs posttrain.data_path");
-  if (pc.reward != "exact_match" && pc.reward != "contains" && pc.reward != "numeric")
-    return Status::error(
-        fmt::format("posttrain.reward is '{}'; expected exact_match, contains or numeric", pc.reward));
+  if (pc.reward != "exact_match" && pc.reward != "partial_match" && pc.reward != "contains" &&
+      pc.reward != "numeric")
+    return Status::error(fmt::format(
+        "posttrain.reward is '{}'; expected exact_match, partial_match, contains or numeric", pc.reward));
   auto named = ChatTemplate::named(cfg.data.chat_template);
   if (!named) return named.status();
   const ChatTemplate tmpl = named.value();
@@ -178,6 +190,14 @@ Result<std::unique_ptr<RewardTask>> load_jsonl_task(const Config& cfg, const Tok
 
 double rule_reward(const std::string& rule, const std::string& answer, const std::string& completion) {
   if (rule == "exact_match") return trim(answer) == trim(completion) ? 1.0 : 0.0;
+  if (rule == "partial_match") {
+    const std::string a = trim(answer), c = trim(completion);
+    const size_t n = std::max(a.size(), c.size());
+    if (n == 0) return 1.0;
+    size_t same = 0;
+    for (size_t i = 0; i < std::min(a.size(), c.size()); ++i) same += a[i] == c[i];
+    return static_cast<double>(same) / static_cast<double>(n);
+  }
   if (rule == "contains") {
     const std::string a = trim(answer);
     NDT_CHECK(!a.empty(), "contains reward: empty answer");
@@ -189,7 +209,7 @@ double rule_reward(const std::string& rule, const std::string& answer, const std
     if (!parse_number(completion, c)) return 0.0;
     return std::abs(a - c) <= 1e-6 * std::max(std::abs(a), std::abs(c)) ? 1.0 : 0.0;
   }
-  NDT_FAIL("unknown reward rule '{}' (exact_match, contains, numeric)", rule);
+  NDT_FAIL("unknown reward rule '{}' (exact_match, partial_match, contains, numeric)", rule);
 }
 
 std::string chat_prompt_of(const nlohmann::json& j, const Tokenizer& tok, const ChatTemplate& tmpl,
@@ -240,10 +260,16 @@ Result<std::unique_ptr<RewardTask>> make_reward_task(const Config& cfg, const To
   const int64_t digits = cfg.data.addition_digits;
   if ((pc.task == "addition" || pc.task == "sort") && (digits < 1 || digits > 18))
     return Status::error(fmt::format("data.addition_digits must be in 1..18 (got {})", digits));
+  const bool builtin = pc.task == "addition" || pc.task == "sort";
+  if (builtin && pc.reward != "exact_match" && pc.reward != "partial_match")
+    return Status::error(fmt::format(
+        "posttrain.reward '{}' applies to posttrain.task jsonl; task {} takes exact_match or partial_match",
+        pc.reward, pc.task));
+  const bool partial = pc.reward == "partial_match";
   if (pc.task == "addition")
-    return std::unique_ptr<RewardTask>(new AdditionRewardTask(digits, cfg.data.seed, tok));
+    return std::unique_ptr<RewardTask>(new AdditionRewardTask(digits, cfg.data.seed, partial, tok));
   if (pc.task == "sort")
-    return std::unique_ptr<RewardTask>(new SortRewardTask(sort_max_len(digits), cfg.data.seed, tok));
+    return std::unique_ptr<RewardTask>(new SortRewardTask(sort_max_len(digits), cfg.data.seed, partial, tok));
   if (pc.task == "jsonl") return load_jsonl_task(cfg, tok);
   return Status::error(fmt::format("posttrain.task is '{}'; expected addition, sort or jsonl", pc.task));
 }

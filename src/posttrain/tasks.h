@@ -39,9 +39,10 @@ class RewardTask {
 
 // posttrain.task:
 //   "addition": data.addition_digits, data.seed; the prompts and reversed-digit answers of data/synthetic.h
-//               ([BOS] "a+b="), reward 1 for the exact answer, else 0.
+//               ([BOS] "a+b="), reward 1 for the exact answer, else 0 (posttrain.reward exact_match) or
+//               the partial_match credit below.
 //   "sort":     lists of 2..sort_max_len(data.addition_digits) digits ([BOS] "sort 3 1 2=", answer "123"),
-//               reward 1 for the exact answer, else 0.
+//               rewarded like addition.
 //   "jsonl":    posttrain.data_path, lines {"prompt": P, "answer": A} or {"messages": [...], "answer": A}
 //               (A a string or a number); the prompt is chat_prompt_of (data.chat_template), the reward
 //               rule_reward(posttrain.reward, A, completion without the template's end marker).
@@ -50,10 +51,12 @@ class RewardTask {
 // Errors name the file and its 1-based line.
 Result<std::unique_ptr<RewardTask>> make_reward_task(const Config& cfg, const Tokenizer& tok);
 
-// Reward of a completion under posttrain.reward's rule, 1 or 0:
-//   exact_match: equal after trimming whitespace on both sides;
-//   contains:    the trimmed answer occurs in the completion;
-//   numeric:     both (trimmed) parse entirely as finite numbers and |a - c| <= 1e-6 max(|a|, |c|).
+// Reward of a completion under posttrain.reward's rule, in [0, 1]:
+//   exact_match: 1 if equal after trimming whitespace on both sides, else 0;
+//   partial_match: (trimmed) characters equal position by position / the longer length; 1 only when
+//                exact. Dense credit for answers that are right in some digits;
+//   contains:    1 if the trimmed answer occurs in the completion, else 0;
+//   numeric:     1 if both (trimmed) parse entirely as finite numbers and |a - c| <= 1e-6 max(|a|, |c|).
 // Throws on an unknown rule or an answer that is not a number under "numeric" (a completion that is not
 // a number just earns 0).
 double rule_reward(const std::string& rule, const std::string& answer, const std::string& completion);

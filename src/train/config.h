@@ -146,12 +146,13 @@ struct ParallelConfig {
 // Post-training (docs/posttraining.md): algo "sft" is plain training on `data`; "dpo" and "grpo" run
 // the post-training loop of src/posttrain on the prompts/pairs of `task`.
 struct PosttrainConfig {
-  std::string algo = "sft";            // "sft" | "dpo" | "grpo"
-  std::string task = "addition";       // "addition" | "sort" (embedded, verifiable) | "jsonl" (data_path)
-  std::string data_path;               // jsonl: {prompt, answer} (grpo) or {prompt, chosen, rejected} (dpo)
-  std::string reward = "exact_match";  // reward of a jsonl task: "exact_match" | "contains" | "numeric"
-  std::string init;                    // weights to start from (a run dir's model.safetensors); empty = init
-  int64_t eval_samples = 200;          // held-out prompts for exact match (greedy)
+  std::string algo = "sft";       // "sft" | "dpo" | "grpo"
+  std::string task = "addition";  // "addition" | "sort" (embedded, verifiable) | "jsonl" (data_path)
+  std::string data_path;          // jsonl: {prompt, answer} (grpo) or {prompt, chosen, rejected} (dpo)
+  // Reward rule: "exact_match" | "partial_match" (any task); "contains" | "numeric" (jsonl only).
+  std::string reward = "exact_match";
+  std::string init;            // weights to start from (a run dir's model.safetensors); empty = init
+  int64_t eval_samples = 200;  // held-out prompts for exact match (greedy)
   // GRPO
   int64_t prompts_per_step = 8;
   int64_t samples_per_prompt = 8;  // G
