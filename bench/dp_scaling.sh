@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Data-parallel scaling on the GPUs of one host (issue 20): GPT-2 124M (configs/gpt2-124m.yaml, the
+# embedded toy-grammar task, byte ids in the 50304-row vocabulary), 16 x 1024 tokens per GPU per step
+# (weak scaling), bf16, one GPU per rank over NCCL, plain DP and ZeRO-1, on 1, 2, 4, ... GPUs up to the
+# number present. Per run: median step_seconds over the steps after WARMUP (metrics.jsonl), tokens/s, and
+# the efficiency against the 1-GPU run: tokens/s(n) / (n * tokens/s(1)).
+# Usage: bench/dp_scaling.sh NDTRAIN OUTDIR        (STEPS=30 WARMUP=10 GPUS="1 2 4" by default)
+set -uo pipefail
+ndtrain=${1:?usage: dp_scaling.sh NDTRAIN OUTDIR}
+out=${2:?usage: dp_scaling.sh NDTRAIN OUTDIR}
+src=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+steps=${STEPS:-30} warmup=${WARMUP:-10}
+have=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+gpus=${GPUS:-}
+if [[ -z $gpus ]]; then
+  gpus=1
+  for n in 2 4 8; do ((n <= have)) && gpus+=" $n"; done
+fi
+median_step() {  # metrics.jsonl -> median step_seconds of steps >= warmup
+  python3 - "$1" "$warmup" <<'EOF'
+import json, statistics, sys
+recs = [json.loads(l) for l in open(sys.argv[1]) if '"step_seconds"' in l]
+s = [r["step_seconds"] for r in recs if r.get("type", "train") == "train" and r["step"] >= int(sys.argv[2])]
+print(statistics.median(s) if s else "nan")
+EOF
+}
+declare -A base
+printf '| GPUs | ZeRO-1 | step ms (median) | tokens/s | efficiency vs 1 GPU |\n|---|---|---|---|---|\n' >"$out/dp_scaling.md"
+for zero1 in false true; do
+  for n in $gpus; do
+    [[ $zero1 == true && $n == 1 ]] && continue
+    dir=$out/dp${n}_zero1_$zero1
+    timeout 180 mpirun --allow-run-as-root -np "$n" "$ndtrain" train --config "$src/configs/gpt2-124m.yaml" \
+      --set data.task=lm data.tokenizer=byte train.device=cuda train.precision=bf16 parallel.dp="$n" \
+      parallel.zero1=$zero1 train.micro_batch=16 train.global_batch=$((16 * n)) train.steps="$steps" \
+      train.warmup_steps=5 train.log_every=10 train.eval_every=0 "train.out_dir=$dir" >"$dir.log" 2>&1
+    rc=$?
+    med=nan
+    [[ $rc == 0 && -f $dir/metrics.jsonl ]] && med=$(median_step "$dir/metrics.jsonl")
+    rm -f "$dir/model.safetensors"
+    if [[ $med == nan ]]; then
+      echo "| $n | $zero1 | FAILED (exit $rc, $(basename "$dir").log) | | |" >>"$out/dp_scaling.md"
+      tail -5 "$dir.log"
+      continue
+    fi
+    read -r tps eff <<<"$(python3 -c "
+t = 16 * 1024 * $n / $med; b = ${base[1]:-0}
+print(f'{t:.0f}', f'{t / ($n * b):.3f}' if b else '1.000')")"
+    [[ $n == 1 ]] && base[1]=$tps
+    printf '| %s | %s | %.1f | %s | %s |\n' "$n" "$zero1" "$(python3 -c "print(1e3 * $med)")" "$tps" "$eff" \
+      >>"$out/dp_scaling.md"
+  done
+done
+cat "$out/dp_scaling.md"
