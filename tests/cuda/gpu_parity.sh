@@ -11,7 +11,8 @@
 # SHARE_GPU=1: every row runs, its ranks sharing the GPUs there are, with train.device_comm=mpi (device
 # buffers staged through host memory over MPI instead of NCCL, which refuses two ranks on one GPU): the
 # same kernels and layouts, checked on one GPU; NCCL itself is then not exercised.
-# Usage: gpu_parity.sh NDTRAIN [MPIRUN]     (ONLY=regex runs the rows whose style_name matches)
+# Usage: gpu_parity.sh NDTRAIN [MPIRUN]     (ONLY=regex runs the rows whose style_name matches;
+#        COLLECTIVE_TIMEOUT=60 s for train.collective_timeout_s, ROW_TIMEOUT=180 s per row)
 set -uo pipefail
 ndtrain=${1:?usage: gpu_parity.sh NDTRAIN [MPIRUN]}
 mpirun=${2:-mpirun}
@@ -21,8 +22,10 @@ if [[ ${gpus:-0} -lt 1 ]]; then
   echo "gpu_parity: no CUDA device on this machine: skipped"
   exit 77
 fi
+# A row that hangs ends through the watchdog (the stuck call named in its log) or, at the latest, after
+# ROW_TIMEOUT seconds; the script goes on with the next row either way.
 base=(model.d_model=256 model.n_heads=4 model.max_seq_len=64 data.seq_len=64 train.device=cuda
-      train.precision=fp32 train.adam_eps=1e-6)
+      train.precision=fp32 train.adam_eps=1e-6 train.collective_timeout_s=${COLLECTIVE_TIMEOUT:-60})
 packed=(data.packing=true data.min_seq_len=3)
 moe=(model.moe.num_experts=4)
 share=${SHARE_GPU:-0}
@@ -70,7 +73,7 @@ for style in llama gpt2; do
     [[ $name == pp4_v2_packed ]] && tolg=3e-4  # see the header
     log=$(mktemp)
     # shellcheck disable=SC2086
-    "$mpirun" --allow-run-as-root --oversubscribe -np "$np" "$ndtrain" verify --config "$src/configs/tiny-$style.yaml" \
+    timeout "${ROW_TIMEOUT:-180}" "$mpirun" --allow-run-as-root --oversubscribe -np "$np" "$ndtrain" verify --config "$src/configs/tiny-$style.yaml" \
       --steps 5 --tol-grads $tolg --set "${base[@]}" $sets >"$log" 2>&1
     if grep -q "verify: PASS" "$log" && ! grep -q "FAIL" "$log"; then
       pass=$((pass + 1))
