@@ -162,6 +162,40 @@ TEST(DataAddition, DeterministicAndSeedDependent) {
   EXPECT_TRUE(same(a.get(123), AdditionTask(3, 11, *tok).get(123)));
 }
 
+TEST(DataAddition, CarryDroppedAnswer) {
+  EXPECT_EQ((AdditionProblem{57, 68}.carry_dropped_answer()), "51");  // 7+8 -> 5, 5+6 -> 1 (right: "521")
+  EXPECT_EQ((AdditionProblem{999, 1}.carry_dropped_answer()), "099");
+  EXPECT_EQ((AdditionProblem{123, 45}.carry_dropped_answer()), "861");  // no carry: the right answer
+  EXPECT_EQ((AdditionProblem{123, 45}.reversed_answer()), "861");
+  EXPECT_EQ((AdditionProblem{0, 0}.carry_dropped_answer()), "0");
+}
+
+TEST(DataAddition, LabelNoiseDropsCarriesOnItsShareOfTrainingSamples) {
+  auto tok = make_byte_tokenizer();
+  const double noise = 0.6;
+  AdditionTask clean(3, 5, *tok), noisy(3, 5, *tok, false, noise), val(3, 5, *tok, true, noise);
+  AdditionTask val_clean(3, 5, *tok, true);
+  int64_t flipped = 0, n = 4000;
+  for (int64_t i = 0; i < n; ++i) {
+    const AdditionProblem p = noisy.problem(i);
+    EXPECT_EQ(p.a, clean.problem(i).a);  // the same problems as without noise
+    EXPECT_EQ(p.b, clean.problem(i).b);
+    const std::string ans = masked_text(*tok, noisy.get(i), 1);
+    ASSERT_TRUE(ans == p.reversed_answer() || ans == p.carry_dropped_answer()) << p.prompt() << ans;
+    // Counted where the two differ: the noise is drawn independently of the problem.
+    if (p.reversed_answer() != p.carry_dropped_answer()) flipped += ans == p.carry_dropped_answer();
+    EXPECT_TRUE(same(noisy.get(i), AdditionTask(3, 5, *tok, false, noise).get(i)));  // deterministic
+    if (i < 300) EXPECT_TRUE(same(val.get(i), val_clean.get(i)));  // held-out answers stay right
+  }
+  int64_t carries = 0;
+  for (int64_t i = 0; i < n; ++i)
+    carries += noisy.problem(i).reversed_answer() != noisy.problem(i).carry_dropped_answer();
+  ASSERT_GT(carries, 1000);
+  const double share = static_cast<double>(flipped) / static_cast<double>(carries);
+  EXPECT_NEAR(share, noise, 0.05) << flipped << " of " << carries;  // binomial sd ~0.01
+  EXPECT_THROW(AdditionTask(3, 5, *tok, false, 1.5), Error);
+}
+
 TEST(DataAddition, SamplesAreCorrectArithmeticWithAnswerMask) {
   auto tok = make_byte_tokenizer();
   const int64_t digits = 4;

@@ -15,8 +15,8 @@ Result<std::unique_ptr<Dataset>> make_dataset(const DataConfig& cfg, const Token
     if (cfg.addition_digits < 1 || cfg.addition_digits > 18)
       return Status::error(
           fmt::format("data.addition_digits must be in 1..18 (got {})", cfg.addition_digits));
-    return std::unique_ptr<Dataset>(
-        std::make_unique<AdditionTask>(cfg.addition_digits, cfg.seed, tok, validation));
+    return std::unique_ptr<Dataset>(std::make_unique<AdditionTask>(cfg.addition_digits, cfg.seed, tok,
+                                                                   validation, cfg.addition_label_noise));
   }
   if (cfg.task == "sort") {
     if (cfg.addition_digits < 1 || cfg.addition_digits > 18)

@@ -64,6 +64,17 @@ std::string AdditionProblem::reversed_answer() const {
   return s;
 }
 
+std::string AdditionProblem::carry_dropped_answer() const {
+  std::string x = std::to_string(a), y = std::to_string(b), out;
+  std::reverse(x.begin(), x.end());
+  std::reverse(y.begin(), y.end());
+  for (size_t i = 0; i < std::max(x.size(), y.size()); ++i) {
+    const int dx = i < x.size() ? x[i] - '0' : 0, dy = i < y.size() ? y[i] - '0' : 0;
+    out += static_cast<char>('0' + (dx + dy) % 10);
+  }
+  return out;
+}
+
 bool addition_is_eval(int64_t a, int64_t b) { return stable_hash(fmt::format("{}+{}", a, b)) % 10 == 0; }
 
 AdditionProblem draw_addition_problem(int64_t digits, uint64_t seed, bool eval_split, int64_t index) {
@@ -82,9 +93,12 @@ AdditionProblem draw_addition_problem(int64_t digits, uint64_t seed, bool eval_s
   NDT_FAIL("addition task: no {} problem found with {} digit(s)", eval_split ? "eval" : "train", digits);
 }
 
-AdditionTask::AdditionTask(int64_t digits, int64_t seed, const Tokenizer& tok, bool eval_split)
-    : digits_(digits), seed_(seed), tok_(tok), eval_(eval_split) {
+AdditionTask::AdditionTask(int64_t digits, int64_t seed, const Tokenizer& tok, bool eval_split,
+                           double label_noise)
+    : digits_(digits), seed_(seed), tok_(tok), eval_(eval_split), label_noise_(eval_split ? 0 : label_noise) {
   NDT_CHECK(digits >= 1 && digits <= 18, "addition digits must be in 1..18 (got {})", digits);
+  NDT_CHECK(label_noise >= 0 && label_noise <= 1, "addition label noise must be in [0, 1] (got {})",
+            label_noise);
 }
 
 AdditionProblem AdditionTask::problem(int64_t index) const {
@@ -93,7 +107,12 @@ AdditionProblem AdditionTask::problem(int64_t index) const {
 
 Sample AdditionTask::get(int64_t index) const {
   const AdditionProblem p = problem(index);
-  return qa_sample(p.prompt(), p.reversed_answer(), tok_);
+  bool noisy = false;
+  if (label_noise_ > 0) {  // its own stream: the problems stay those of the noise-free task
+    static const uint64_t kNoise = stable_hash("addition/label_noise");
+    noisy = CounterRng(static_cast<uint64_t>(seed_), sample_stream(kNoise, index)).uniform() < label_noise_;
+  }
+  return qa_sample(p.prompt(), noisy ? p.carry_dropped_answer() : p.reversed_answer(), tok_);
 }
 
 std::vector<EvalProblem> addition_eval_problems(int64_t digits, int64_t seed, int64_t n,

@@ -20,6 +20,9 @@ struct AdditionProblem {
   int64_t a = 0, b = 0;
   std::string prompt() const;           // "a+b="
   std::string reversed_answer() const;  // digits of a + b, least significant first
+  // The answer with every carry dropped (digit-wise sums mod 10 over the longer operand's digits, least
+  // significant first): the classic wrong answer; equal to reversed_answer() when a + b has no carry.
+  std::string carry_dropped_answer() const;
 };
 
 // Held-out split: (a, b) is an eval problem iff stable_hash("a+b") % 10 == 0. Independent of the seed,
@@ -36,7 +39,10 @@ class AdditionTask final : public Dataset {
  public:
   // eval_split = false: training problems only (eval problems never appear); true: eval problems only,
   // sample i being the problem of addition_eval_problems(..)[i] (validation loss on held-out problems).
-  AdditionTask(int64_t digits, int64_t seed, const Tokenizer& tok, bool eval_split = false);
+  // label_noise (data.addition_label_noise, training split only): the probability, drawn per sample from
+  // (seed, index), that a sample's answer is its carry_dropped_answer() instead of the right one.
+  AdditionTask(int64_t digits, int64_t seed, const Tokenizer& tok, bool eval_split = false,
+               double label_noise = 0);
   int64_t size() const override { return -1; }
   Sample get(int64_t index) const override;
   AdditionProblem problem(int64_t index) const;
@@ -45,6 +51,7 @@ class AdditionTask final : public Dataset {
   int64_t digits_, seed_;
   const Tokenizer& tok_;
   bool eval_;
+  double label_noise_;
 };
 
 // The first n eval-split problems for (digits, seed) as prompts [BOS] + "a+b=" and reversed answers

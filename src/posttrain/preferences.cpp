@@ -97,17 +97,11 @@ Result<std::unique_ptr<PreferenceData>> load_jsonl_pairs(const std::string& path
 std::string wrong_addition_answer(const AdditionProblem& p, uint64_t key) {
   CounterRng rng(key, stable_hash("pairs/wrong_addition"));
   const std::string right = p.reversed_answer();
-  std::string a = std::to_string(p.a), b = std::to_string(p.b);
-  std::reverse(a.begin(), a.end());
-  std::reverse(b.begin(), b.end());
-  const size_t n = std::max(a.size(), b.size());
+  const size_t n = std::max(std::to_string(p.a).size(), std::to_string(p.b).size());
   std::string wrong;
   switch (rng.uniform_int(0, 2)) {
     case 1:  // every carry dropped: digit-wise sums mod 10
-      for (size_t i = 0; i < n; ++i) {
-        const int x = i < a.size() ? a[i] - '0' : 0, y = i < b.size() ? b[i] - '0' : 0;
-        wrong += static_cast<char>('0' + (x + y) % 10);
-      }
+      wrong = p.carry_dropped_answer();
       break;
     case 2:  // the final carry digit dropped
       if (right.size() > n) wrong = right.substr(0, n);

@@ -132,6 +132,7 @@ const std::vector<KeyDef>& schema() {
       str_key("data.tokenizer", {}, d(&D::tokenizer)),
       int_key("data.seq_len", 1, 1 << 24, d(&D::seq_len)),
       int_key("data.addition_digits", 1, 18, d(&D::addition_digits)),  // operands must fit in int64
+      float_key("data.addition_label_noise", 0, 1, d(&D::addition_label_noise)),
       int_key("data.seed", 0, kInf, d(&D::seed)),
       int_key("data.min_seq_len", 0, 1 << 24, d(&D::min_seq_len)),
       bool_key("data.packing", d(&D::packing)),

@@ -67,13 +67,14 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string task = "addition";   // "addition" | "lm" (embedded synthetic), "shards", "sft"
-  std::string path;                // shards: file or directory of .bin shards; sft: a .jsonl file
-  std::string val_path;            // optional held-out data for validation loss (shards/sft)
-  std::string tokenizer = "byte";  // "byte" or a path to a SentencePiece .model file
-  int64_t seq_len = 64;            // tokens per sample (after which samples are cut / padded)
-  int64_t addition_digits = 3;     // addition task: operands have 1..addition_digits digits
-  int64_t seed = 1234;             // data order / generation seed (independent of the init seed)
+  std::string task = "addition";    // "addition" | "lm" (embedded synthetic), "shards", "sft"
+  std::string path;                 // shards: file or directory of .bin shards; sft: a .jsonl file
+  std::string val_path;             // optional held-out data for validation loss (shards/sft)
+  std::string tokenizer = "byte";   // "byte" or a path to a SentencePiece .model file
+  int64_t seq_len = 64;             // tokens per sample (after which samples are cut / padded)
+  int64_t addition_digits = 3;      // addition task: operands have 1..addition_digits digits
+  double addition_label_noise = 0;  // addition task: share of training answers with every carry dropped
+  int64_t seed = 1234;              // data order / generation seed (independent of the init seed)
   // lm task: when > 0, sample lengths (tokens) are drawn log-uniformly from [min_seq_len, seq_len].
   int64_t min_seq_len = 0;
   // Sequence packing (THD): samples laid end to end with cu_seqlens instead of each padded to seq_len,
