@@ -79,6 +79,8 @@ for prec in "${PRECISIONS[@]}"; do
   for algo in sft dpo grpo; do
     SETS=()
     [[ $algo == grpo ]] && SETS=(posttrain.init="$init" "${PT[@]}" "${GRPO[@]}")
+    # gpt2 GRPO: the CI rows' prompts (data.seed 1; tests/parity/CMakeLists.txt says why).
+    [[ $algo == grpo && $style == gpt2 && $GPU == 0 ]] && SETS+=(data.seed=1)
     [[ $algo == dpo ]] && SETS=(posttrain.init="$init" "${PT[@]}" "${DPO[@]}")
     for i in "${!LAYOUTS[@]}"; do
       read -r name label sets <<<"${LAYOUTS[$i]}"
