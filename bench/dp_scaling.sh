@@ -25,7 +25,7 @@ s = [r["step_seconds"] for r in recs if r.get("type", "train") == "train" and r[
 print(statistics.median(s) if s else "nan")
 EOF
 }
-declare -A base
+base=0  # tokens/s of the 1-GPU run
 printf '| GPUs | ZeRO-1 | step ms (median) | tokens/s | efficiency vs 1 GPU |\n|---|---|---|---|---|\n' >"$out/dp_scaling.md"
 for zero1 in false true; do
   for n in $gpus; do
@@ -45,9 +45,9 @@ for zero1 in false true; do
       continue
     fi
     read -r tps eff <<<"$(python3 -c "
-t = 16 * 1024 * $n / $med; b = ${base[1]:-0}
+t = 16 * 1024 * $n / $med; b = $base
 print(f'{t:.0f}', f'{t / ($n * b):.3f}' if b else '1.000')")"
-    [[ $n == 1 ]] && base[1]=$tps
+    [[ $n == 1 ]] && base=$tps
     printf '| %s | %s | %.1f | %s | %s |\n' "$n" "$zero1" "$(python3 -c "print(1e3 * $med)")" "$tps" "$eff" \
       >>"$out/dp_scaling.md"
   done

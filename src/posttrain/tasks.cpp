@@ -258,9 +258,9 @@ Status read_jsonl(const std::string& path, const std::string& what,
 Result<std::unique_ptr<RewardTask>> make_reward_task(const Config& cfg, const Tokenizer& tok) {
   const PosttrainConfig& pc = cfg.posttrain;
   const int64_t digits = cfg.data.addition_digits;
-  if ((pc.task == "addition" || pc.task == "sort") && (digits < 1 || digits > 18))
-    return Status::error(fmt::format("data.addition_digits must be in 1..18 (got {})", digits));
   const bool builtin = pc.task == "addition" || pc.task == "sort";
+  if (builtin && (digits < 1 || digits > 18))
+    return Status::error(fmt::format("data.addition_digits must be in 1..18 (got {})", digits));
   if (builtin && pc.reward != "exact_match" && pc.reward != "partial_match")
     return Status::error(fmt::format(
         "posttrain.reward '{}' applies to posttrain.task jsonl; task {} takes exact_match or partial_match",
