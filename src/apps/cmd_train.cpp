@@ -49,13 +49,7 @@ Runner add_train(CLI::App& app) {
       agree_or_throw(validate_config(s.cfg), world);
       agree_or_throw(validate_layout(s.cfg, world.size()), world);
     }
-    // The collective watchdog, before the layout splits its groups off the world (they inherit it) and makes
-    // its NCCL communicators (they register with it). One GPU rank has it too: its GPU can hang.
-    std::unique_ptr<Watchdog> watchdog;
-    if ((world.size() > 1 || s.cfg.train.device == "cuda") && s.cfg.train.collective_timeout_s > 0) {
-      watchdog = std::make_unique<Watchdog>(s.cfg.train.collective_timeout_s, world.rank(), world.size());
-      world.set_watchdog(watchdog.get());
-    }
+    const std::unique_ptr<Watchdog> watchdog = start_watchdog(s.cfg, world);
     auto layout = Layout::create(s.cfg, world);
     agree_or_throw(layout.status(), world);
     Trainer trainer(s.cfg, layout.value()->comms(), *s.tok, *s.train, s.val.get());

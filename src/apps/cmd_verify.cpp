@@ -93,6 +93,7 @@ Runner add_verify(CLI::App& app) {
       first = meta.value().step;
     }
     s.cfg.train.steps = first + o->steps;
+    const std::unique_ptr<Watchdog> watchdog = start_watchdog(s.cfg, world);  // a hung row names its call
     auto layout = Layout::create(s.cfg, world);
     agree_or_throw(layout.status(), world);
 

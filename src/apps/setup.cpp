@@ -14,6 +14,14 @@ void agree_or_throw(const Status& local, Communicator& world) {
   if (!st) throw AgreedError(st.message());
 }
 
+std::unique_ptr<Watchdog> start_watchdog(const Config& cfg, Communicator& world) {
+  if ((world.size() == 1 && cfg.train.device != "cuda") || cfg.train.collective_timeout_s <= 0)
+    return nullptr;
+  auto w = std::make_unique<Watchdog>(cfg.train.collective_timeout_s, world.rank(), world.size());
+  world.set_watchdog(w.get());
+  return w;
+}
+
 Status check_writable_dir(const std::string& dir, const std::string& key) {
   namespace fs = std::filesystem;
   const fs::path d(dir.empty() ? "." : dir);

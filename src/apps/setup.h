@@ -8,6 +8,7 @@
 
 #include "data/dataset.h"
 #include "dist/communicator.h"
+#include "dist/watchdog.h"
 #include "train/config.h"
 
 namespace ndt::app {
@@ -32,5 +33,10 @@ std::vector<std::pair<std::string, Tensor>> read_weights(const std::string& path
 
 // Turn a local status into a world-agreed one and throw it when it is an error.
 void agree_or_throw(const Status& local, Communicator& world);
+
+// The collective watchdog of a run (train.collective_timeout_s; null when off, or for one CPU rank).
+// Start it before the layout splits its groups off the world (they inherit it) and makes its NCCL
+// communicators (they register with it). One GPU rank has it too: its GPU can hang.
+std::unique_ptr<Watchdog> start_watchdog(const Config& cfg, Communicator& world);
 
 }  // namespace ndt::app
