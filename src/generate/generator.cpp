@@ -363,12 +363,13 @@ void Generator::load_full(const std::vector<std::pair<std::string, Tensor>>& ful
 bool Generator::refit_from(ParamStore& train) {
   Impl& im = *impl_;
   ParamStore& dst = im.model->params();
-  bool ok = im.tp == 1 && train.device() == dst.device();
-  for (size_t i = 0; ok && i < dst.all().size(); ++i) {
+  bool ok = train.device() == dst.device();
+  for (size_t i = 0; ok && i < dst.all().size(); ++i) {  // the same slice of every parameter here
     const Param& p = *dst.all()[i];
     const Param* s = train.find(p.name);
     ok = s && s->global_shape == p.global_shape && s->value.numel() == p.value.numel() &&
-         s->value.numel() == shape_numel(s->global_shape);
+         (p.shard_dim < 0 ? s->value.numel() == shape_numel(s->global_shape)
+                          : s->shard_dim == p.shard_dim && s->shard_offset == p.shard_offset);
   }
   if (im.world.size() > 1) {  // one path for all ranks: load_full's caller gathers collectively
     double v = ok ? 1.0 : 0.0;

@@ -59,9 +59,11 @@ class Generator {
   void load_full(const std::vector<std::pair<std::string, Tensor>>& full);
 
   // Refit straight from a training store on this rank (device to device on a GPU, then the cast), when it
-  // holds every parameter whole (a DP/CP-only training layout, ZeRO-1 included) on the generator's device
-  // and the generation layout has no TP. Collective over the world (every rank takes the same path);
-  // returns false, copying nothing, when that does not hold anywhere: use load_full(full_weights) then.
+  // holds, on the generator's device, the very slice of every parameter this rank generates with: whole
+  // tensors (a DP/CP-only training layout, ZeRO-1 included, generating without TP), or the same TP shards
+  // (training tp = gen_tp over the same ranks, no PP/EP). Collective over the world (every rank takes the
+  // same path); returns false, copying nothing, when that does not hold on some rank: use
+  // load_full(full_weights) then.
   bool refit_from(ParamStore& train);
 
   // Generates every request (the same list on every rank); replicas split the list into contiguous

@@ -8,6 +8,7 @@
 #include "dist/communicator.h"
 #include "generate/generator.h"
 #include "model/transformer.h"
+#include "parallel/tp/comm_tp_hooks.h"
 
 namespace ndt {
 namespace {
@@ -72,6 +73,41 @@ void same_rollouts(const std::string& style, int64_t experts) {
 TEST(GenerateLayouts, LlamaTpAndReplicasMatchOneRank) { same_rollouts("llama", 0); }
 TEST(GenerateLayouts, Gpt2TpAndReplicasMatchOneRank) { same_rollouts("gpt2", 0); }
 TEST(GenerateLayouts, MoeTpAndReplicasMatchOneRank) { same_rollouts("llama", 4); }
+
+// Training tp = gen_tp over the same ranks: refit_from copies each rank's TP shards straight from the
+// training store (no gather) and generates what load_full of the full weights generates; a training store
+// sharded differently (tp 1 here, whole tensors) is refused on every rank, copying nothing.
+TEST(GenerateLayouts, RefitFromTpShardsEqualsLoadFull) {
+  auto world = make_mpi_world();
+  const Config cfg = tiny("llama", 0);
+  Transformer whole(cfg.model, StageSpec{}, nullptr);
+  whole.params().init(17);
+  std::vector<std::pair<std::string, Tensor>> full;
+  for (const auto& p : whole.params().all()) full.emplace_back(p->name, p->value.clone());
+  CommTpHooks hooks(*world, /*sequence_parallel=*/false);
+  Transformer sharded(cfg.model, StageSpec{}, &hooks);
+  sharded.params().init(17);
+  sharded.params().flatten();
+  const int64_t tp = world->size();
+  Generator a(cfg, *world, GenLayout{tp}), b(cfg, *world, GenLayout{tp});
+  a.load_full(full);
+  ASSERT_TRUE(b.refit_from(sharded.params()));
+  std::vector<GenRequest> reqs;
+  for (uint64_t i = 0; i < 4; ++i) reqs.push_back({{static_cast<int32_t>(i + 1), 5, 9}, i, 0});
+  SamplingParams sp;
+  sp.temperature = 1.0;
+  sp.max_new_tokens = 6;
+  sp.seed = 3;
+  const auto ga = a.generate(reqs, sp, 1), gb = b.generate(reqs, sp, 1);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(ga[i].tokens, gb[i].tokens) << "request " << i;
+    EXPECT_EQ(ga[i].logprobs, gb[i].logprobs) << "request " << i;
+  }
+  if (tp > 1) {
+    whole.params().flatten();
+    EXPECT_FALSE(b.refit_from(whole.params()));
+  }
+}
 
 TEST(GenerateLayouts, BadGenTpFailsOnEveryRank) {
   auto world = make_mpi_world();
