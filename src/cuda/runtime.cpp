@@ -280,4 +280,49 @@ std::string profile_report() {
   return out;
 }
 
+// ---- interval clock ----
+IntervalClock::~IntervalClock() {
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);  // no throw in a destructor
+}
+
+void IntervalClock::record() {
+  if (used_ == events_.size()) {
+    cudaEvent_t e;
+    NDT_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+  NDT_CUDA_CHECK(cudaEventRecord(events_[used_++], stream()));
+}
+
+void IntervalClock::start() {
+  used_ = 0;
+  record();
+}
+
+void IntervalClock::begin() {
+  if (used_ % 2 == 1) record();  // after start() or a closed interval
+}
+
+void IntervalClock::end() {
+  if (used_ > 0 && used_ % 2 == 0) record();  // closes the interval begin() opened
+}
+
+IntervalClock::Times IntervalClock::collect() {
+  Times t;
+  if (used_ < 3) return t;
+  const size_t last = used_ - (used_ % 2 == 0 ? 2 : 1);  // the last end() recorded
+  {
+    BlockingWait wait("device synchronize", 1);
+    NDT_CUDA_CHECK(cudaEventSynchronize(events_[last]));
+  }
+  float ms = 0;
+  for (size_t i = 1; i + 1 <= last; i += 2) {
+    NDT_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+    t.busy_s += 1e-3 * ms;
+  }
+  NDT_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[0], events_[last]));
+  t.span_s = 1e-3 * ms;
+  return t;
+}
+
 }  // namespace ndt::cuda

@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace ndt::cuda {
 
@@ -84,5 +85,29 @@ void reset_peak_memory();
 bool profiling_enabled();
 void mark(const char* label);
 std::string profile_report();
+
+// GPU time of intervals the host marks on stream() with events: a host timer around asynchronous
+// launches measures only their enqueueing. start() opens a span (and forgets earlier intervals);
+// begin()/end() bracket the work to count; collect() waits for the last event and returns the summed
+// intervals and the span from start() to the last end().
+class IntervalClock {
+ public:
+  IntervalClock() = default;
+  ~IntervalClock();
+  IntervalClock(const IntervalClock&) = delete;
+  IntervalClock& operator=(const IntervalClock&) = delete;
+  void start();
+  void begin();
+  void end();
+  struct Times {
+    double busy_s = 0, span_s = 0;
+  };
+  Times collect();
+
+ private:
+  void record();
+  std::vector<cudaEvent_t> events_;  // reused across spans
+  size_t used_ = 0;                  // events_[0] = start, then begin/end pairs
+};
 
 }  // namespace ndt::cuda

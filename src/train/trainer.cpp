@@ -246,7 +246,7 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (step > 0) {  // step 0 includes one-time allocation
     compute_s_ += engine_->last_compute_seconds();
-    step_s_ += wall;
+    step_s_ += engine_->last_span_seconds() > 0 ? engine_->last_span_seconds() : wall;
   }
   theory_bubble_ = engine_->theoretical_bubble(static_cast<int>(mbs.size()));
   engine_->sync_tied_grads();

@@ -2,6 +2,7 @@
 // match a single-process model on the same microbatches, for 1F1B, GPipe and interleaved schedules.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "dist/communicator.h"
@@ -85,6 +86,34 @@ void check(const std::string& style, int v, const std::string& schedule, int m) 
       ASSERT_LE(std::abs(a - b), 1e-5f * gmax + 1e-4f * std::abs(b))
           << prm->name << "[" << i << "] " << style << " " << schedule << " v=" << v;
     }
+  }
+}
+
+// The ranges the engine hands to the DP overlap (Optimizer::reduce_early, CUDA + NCCL only) as each
+// layer's gradients become final: dense parameters only, disjoint. A MoE stage's experts sit in the store's
+// expert region right after its last layer's dense weights; a range spanning both broke pp2 x ep2 on GPUs.
+TEST(PipelineEngine, GradsReadyRangesAreDenseOnly) {
+  auto world = make_mpi_world();
+  Config cfg = tiny("llama", world->size(), 1, "1f1b");
+  cfg.model.moe.num_experts = 4;
+  PipelineEngine engine(cfg, *world, nullptr);
+  engine.params().init(3);
+  engine.params().flatten();  // as the trainer does: dense region, then the expert region
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  engine.set_grads_ready_hook([&](int64_t b, int64_t e) { ranges.emplace_back(b, e); });
+  const std::vector<Microbatch> mbs = uneven_microbatches(2);
+  int64_t n_tokens = 0;
+  for (auto& mb : mbs) n_tokens += mb.num_loss_tokens;
+  engine.begin_moe_step(3, static_cast<double>(n_tokens));  // 1 + 2 sequences
+  engine.train(mbs, 1.0f / static_cast<float>(n_tokens));
+  engine.end_moe_step();
+  ASSERT_GT(engine.params().expert_begin(), 0);
+  EXPECT_EQ(ranges.size(), static_cast<size_t>(cfg.model.n_layers / world->size()));
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    EXPECT_LT(ranges[i].first, ranges[i].second);
+    EXPECT_LE(ranges[i].second, engine.params().expert_begin()) << "range " << i << " reaches the experts";
+    if (i > 0) EXPECT_LE(ranges[i - 1].second, ranges[i].first);
   }
 }
 

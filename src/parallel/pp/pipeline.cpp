@@ -6,8 +6,16 @@
 
 #include "ops/ops.h"
 #include "parallel/cp/cp_shard.h"
+#ifdef NDT_HAVE_CUDA
+#include "cuda/runtime.h"
+#endif
 
 namespace ndt {
+
+#ifdef NDT_HAVE_CUDA
+struct PipelineEngine::GpuClock : cuda::IntervalClock {};
+#endif
+
 namespace {
 
 constexpr int kTagAct = 1, kTagGrad = 2;
@@ -96,6 +104,25 @@ int64_t PipelineEngine::local_tokens(const Microbatch& mb) const {
   return (tp_ && tp_->sequence_parallel()) ? T / tp_->size() : T;
 }
 
+void PipelineEngine::connect_peers() {
+  // NCCL opens a point-to-point connection at the first send/recv between two ranks, and the host call
+  // blocks until the peer joins it. A schedule's first contacts happen at different points on different
+  // ranks (the interleaved ring's p-1 -> 0 edge much later than 0 -> 1); a rank waiting to connect while
+  // its peer waits on the GPU for that rank's earlier work deadlocked pp4 interleaved on GPUs. So every
+  // rank connects to both ring neighbours at once, before the first schedule.
+  if (peers_connected_ || p_ == 1) return;
+  peers_connected_ = true;
+  const int next = (rank_ + 1) % p_, prev = (rank_ + p_ - 1) % p_;
+  Tensor out = Tensor::zeros({2}, DType::F32, store_.device()),
+         in = Tensor::zeros({2}, DType::F32, store_.device());
+  float* o = out.f32();
+  float* i = in.f32();
+  pp_.batch_p2p({{P2POp::Send, o, 1, DType::F32, next, kTagAct},
+                 {P2POp::Recv, i, 1, DType::F32, prev, kTagAct},
+                 {P2POp::Send, o + 1, 1, DType::F32, prev, kTagGrad},
+                 {P2POp::Recv, i + 1, 1, DType::F32, next, kTagGrad}});
+}
+
 Tensor PipelineEngine::act_buffer(int64_t rows) const {
   return Tensor::empty({rows, cfg_.model.d_model}, store_.compute_dtype(), store_.device());
 }
@@ -105,7 +132,8 @@ std::pair<int64_t, int64_t> PipelineEngine::layer_range(int64_t l) {
   const std::string prefix = fmt::format("layers.{}.", l);
   int64_t b = std::numeric_limits<int64_t>::max(), e = 0, n = 0;
   for (const auto& p : store_.all()) {
-    if (p->name.rfind(prefix, 0) != 0) continue;
+    // Expert weights live in the store's expert region and reduce over their own group at the end.
+    if (p->expert || p->name.rfind(prefix, 0) != 0) continue;
     b = std::min(b, store_.offset_of(*p));
     e = std::max(e, store_.offset_of(*p) + p->numel());
     n += p->numel();
@@ -135,6 +163,7 @@ double PipelineEngine::theoretical_bubble(int m) const {
 
 double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss_scale,
                              std::vector<pp::TraceEvent>* trace, double t0_us, TokenLoss* token_loss) {
+  connect_peers();
   std::vector<Microbatch> mbs;
   for (const Microbatch& mb : full_mbs) mbs.push_back(shard(mb));
   const int m = static_cast<int>(mbs.size());
@@ -147,7 +176,19 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
   std::map<Key, Activations> acts;
   std::map<Key, Tensor> x_in, y_out, dy_in, dx_out, seeds;
   double loss = 0;
-  compute_s_ = 0;
+  compute_s_ = span_s_ = 0;
+  const bool gpu_timed = store_.device() == Device::CUDA && p_ > 1;
+#ifdef NDT_HAVE_CUDA
+  if (gpu_timed) {
+    if (!gpu_clock_) gpu_clock_ = std::make_shared<GpuClock>();
+    gpu_clock_->start();
+  }
+  auto gpu_clock = [&](bool begin) {
+    if (gpu_timed) begin ? gpu_clock_->begin() : gpu_clock_->end();
+  };
+#else
+  auto gpu_clock = [](bool) {};
+#endif
   auto buffer_for = [&](const pp::PpAction& a) -> Tensor& {
     const Key k{a.microbatch, a.chunk};
     switch (a.kind) {
@@ -174,6 +215,7 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
     const pp::PpAction& a = actions[i];
     const double start = now_us();
     if (a.is_compute()) {
+      gpu_clock(true);
       const Key k{a.microbatch, a.chunk};
       Transformer& model = *chunks_[static_cast<size_t>(a.chunk)];
       const Microbatch& mb = mbs[static_cast<size_t>(a.microbatch)];
@@ -208,6 +250,7 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
         y_out.erase(k);
         dy_in.erase(k);
       }
+      gpu_clock(false);
       compute_s_ += (now_us() - start) * 1e-6;
       record(a, start);
       ++i;
@@ -232,6 +275,14 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
     for (size_t q = i; q < j; ++q) record(actions[q], start);
     i = j;
   }
+#ifdef NDT_HAVE_CUDA
+  if (gpu_timed) {
+    const cuda::IntervalClock::Times t = gpu_clock_->collect();
+    compute_s_ = t.busy_s;
+    span_s_ = t.span_s;
+  }
+#endif
+  (void)gpu_timed;
   return loss;
 }
 
@@ -242,6 +293,7 @@ void PipelineEngine::sync_tied_grads() {
 }
 
 bool PipelineEngine::forward_only(const Microbatch& mb, Activations& last_acts, int* last_chunk) {
+  connect_peers();
   const int S = p_ * v_;
   Tensor x;
   bool have_last = false;

@@ -78,14 +78,19 @@ class PipelineEngine {
   void begin_moe_step(double seqs, double tokens);
   void end_moe_step() { moe_ctx_.record = false; }
 
-  // Compute seconds of the last train() call (for the measured bubble).
+  // Compute seconds of the last train() call and the seconds it spanned, for the measured bubble. On a
+  // GPU with p > 1 both are GPU times from events (the host only enqueues work); otherwise compute is
+  // host time and the span is 0 (the caller's wall time stands).
   double last_compute_seconds() const { return compute_s_; }
+  double last_span_seconds() const { return span_s_; }
   double theoretical_bubble(int m) const;
 
  private:
   int stage_of(int chunk) const { return chunk * p_ + rank_; }
   bool is_last(int chunk) const { return stage_of(chunk) == p_ * v_ - 1; }
   int64_t local_tokens(const Microbatch& mb) const;
+  // Collective over the pipeline group: opens the links to both ring neighbours at once (once).
+  void connect_peers();
   // A (rows, d_model) buffer for stage activations, on the store's device in its compute dtype.
   Tensor act_buffer(int64_t rows) const;
   // [begin, end) of layer l's parameters in the flat buffers ({0, 0} when they are not contiguous).
@@ -108,7 +113,10 @@ class PipelineEngine {
   std::function<void(int64_t, int64_t)> grads_ready_;
   std::map<int64_t, std::pair<int64_t, int64_t>>
       layer_ranges_;  // pp ranks 0 and p-1, when embeddings are tied and p > 1
-  double compute_s_ = 0;
+  bool peers_connected_ = false;
+  double compute_s_ = 0, span_s_ = 0;
+  struct GpuClock;  // cuda::IntervalClock (CUDA builds)
+  std::shared_ptr<GpuClock> gpu_clock_;
   MoeStepContext moe_ctx_;
 };
 
