@@ -360,16 +360,43 @@ void Generator::load_full(const std::vector<std::pair<std::string, Tensor>>& ful
   ps.with_host_values([&] { copy_global_slices(ps, by_name, "refit weights"); }, /*write_back=*/true);
 }
 
+namespace {
+
+// dst = the block of the whole tensor `whole` (global shape of p) that p holds along its shard dimension:
+// one strided 2-D copy (outer rows of L * inner contiguous elements), on the tensors' device.
+void copy_shard_of(Param& p, const Tensor& whole) {
+  const Shape& g = p.global_shape;
+  const auto d = static_cast<size_t>(p.shard_dim);
+  int64_t outer = 1, inner = 1;
+  for (size_t i = 0; i < d; ++i) outer *= g[i];
+  for (size_t i = d + 1; i < g.size(); ++i) inner *= g[i];
+  const int64_t len = p.value.shape()[d] * inner, full = g[d] * inner;
+  const float* src = whole.f32() + p.shard_offset * inner;
+  float* dst = p.value.f32();
+#ifdef NDT_HAVE_CUDA
+  if (p.value.device() == Device::CUDA) {
+    const size_t f = sizeof(float);
+    cuda::copy_d2d_2d(dst, static_cast<size_t>(len) * f, src, static_cast<size_t>(full) * f,
+                      static_cast<size_t>(len) * f, static_cast<size_t>(outer));
+    return;
+  }
+#endif
+  for (int64_t o = 0; o < outer; ++o) std::copy_n(src + o * full, len, dst + o * len);
+}
+
+}  // namespace
+
 bool Generator::refit_from(ParamStore& train) {
   Impl& im = *impl_;
   ParamStore& dst = im.model->params();
   bool ok = train.device() == dst.device();
-  for (size_t i = 0; ok && i < dst.all().size(); ++i) {  // the same slice of every parameter here
+  for (size_t i = 0; ok && i < dst.all().size(); ++i) {  // this rank's slice of every parameter is here
     const Param& p = *dst.all()[i];
     const Param* s = train.find(p.name);
-    ok = s && s->global_shape == p.global_shape && s->value.numel() == p.value.numel() &&
-         (p.shard_dim < 0 ? s->value.numel() == shape_numel(s->global_shape)
-                          : s->shard_dim == p.shard_dim && s->shard_offset == p.shard_offset);
+    const bool whole = s && s->value.numel() == shape_numel(s->global_shape);
+    ok = s && s->global_shape == p.global_shape &&
+         (whole || (p.shard_dim >= 0 && s->shard_dim == p.shard_dim && s->shard_offset == p.shard_offset &&
+                    s->value.numel() == p.value.numel()));
   }
   if (im.world.size() > 1) {  // one path for all ranks: load_full's caller gathers collectively
     double v = ok ? 1.0 : 0.0;
@@ -377,7 +404,13 @@ bool Generator::refit_from(ParamStore& train) {
     ok = v > 0;
   }
   if (!ok) return false;
-  for (auto& p : dst.all()) p->value.copy_from(train.find(p->name)->value);  // fp32 master values
+  for (auto& p : dst.all()) {  // fp32 master values: the same slice, or this rank's block of a whole tensor
+    const Tensor& src = train.find(p->name)->value;
+    if (src.numel() == p->value.numel())
+      p->value.copy_from(src);
+    else
+      copy_shard_of(*p, src);
+  }
   dst.refresh_compute();
   return true;
 }

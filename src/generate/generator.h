@@ -59,8 +59,8 @@ class Generator {
   void load_full(const std::vector<std::pair<std::string, Tensor>>& full);
 
   // Refit straight from a training store on this rank (device to device on a GPU, then the cast), when it
-  // holds, on the generator's device, the very slice of every parameter this rank generates with: whole
-  // tensors (a DP/CP-only training layout, ZeRO-1 included, generating without TP), or the same TP shards
+  // holds, on the generator's device, every parameter whole (a DP/CP-only training layout, ZeRO-1
+  // included: this rank takes its gen_tp block of each) or the very TP shard this rank generates with
   // (training tp = gen_tp over the same ranks, no PP/EP). Collective over the world (every rank takes the
   // same path); returns false, copying nothing, when that does not hold on some rank: use
   // load_full(full_weights) then.

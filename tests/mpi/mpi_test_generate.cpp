@@ -74,9 +74,9 @@ TEST(GenerateLayouts, LlamaTpAndReplicasMatchOneRank) { same_rollouts("llama", 0
 TEST(GenerateLayouts, Gpt2TpAndReplicasMatchOneRank) { same_rollouts("gpt2", 0); }
 TEST(GenerateLayouts, MoeTpAndReplicasMatchOneRank) { same_rollouts("llama", 4); }
 
-// Training tp = gen_tp over the same ranks: refit_from copies each rank's TP shards straight from the
-// training store (no gather) and generates what load_full of the full weights generates; a training store
-// sharded differently (tp 1 here, whole tensors) is refused on every rank, copying nothing.
+// refit_from without a gather: from TP shards (training tp = gen_tp over the same ranks) and from whole
+// tensors (a DP training layout; each rank takes its gen_tp block) it generates what load_full of the full
+// weights generates; a store holding another shard than this rank's is refused on every rank.
 TEST(GenerateLayouts, RefitFromTpShardsEqualsLoadFull) {
   auto world = make_mpi_world();
   const Config cfg = tiny("llama", 0);
@@ -103,9 +103,21 @@ TEST(GenerateLayouts, RefitFromTpShardsEqualsLoadFull) {
     EXPECT_EQ(ga[i].tokens, gb[i].tokens) << "request " << i;
     EXPECT_EQ(ga[i].logprobs, gb[i].logprobs) << "request " << i;
   }
-  if (tp > 1) {
-    whole.params().flatten();
-    EXPECT_FALSE(b.refit_from(whole.params()));
+  whole.params().flatten();
+  Generator c(cfg, *world, GenLayout{tp});
+  ASSERT_TRUE(c.refit_from(whole.params()));
+  const auto gc = c.generate(reqs, sp, 1);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(ga[i].tokens, gc[i].tokens) << "request " << i;
+    EXPECT_EQ(ga[i].logprobs, gc[i].logprobs) << "request " << i;
+  }
+  if (tp > 1) {  // the next rank's shards: same shapes, other offsets
+    auto rev = world->split(0, world->size() - 1 - world->rank());
+    CommTpHooks rev_hooks(*rev, /*sequence_parallel=*/false);
+    Transformer other(cfg.model, StageSpec{}, &rev_hooks);
+    other.params().init(17);
+    other.params().flatten();
+    EXPECT_FALSE(c.refit_from(other.params()));
   }
 }
 
