@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Fuzzes every parser of untrusted input (tests/fuzz, docs/reliability.md "Fuzzing and sanitizers"):
-# configures a clang build in build-fuzz (NDT_CUDA=OFF, NDT_FUZZ=ON: ndtrain_lib instrumented for
-# libFuzzer with ASan + UBSan), builds the fuzz_* targets, and runs each for FUZZ_SECONDS on a copy of its
+# builds the fuzz_* targets in the clang build it shares with scripts/sanitize.sh (scripts/sanitize_build.sh:
+# build-asan, ndtrain_lib instrumented for libFuzzer with ASan + UBSan), and runs each for FUZZ_SECONDS on a copy of its
 # seed corpus (tests/fuzz/corpus/<name>, left unchanged). Prints, per target, the inputs run and whether it
 # crashed (sanitizer report, uncaught exception, abort, timeout or memory limit); exits 1 on any crash.
-# Crashing inputs are kept in build-fuzz/artifacts/<name>/ (replay: build-fuzz/tests/fuzz/fuzz_<name> FILE).
+# Crashing inputs are kept in build-asan/artifacts/<name>/ (replay: build-asan/tests/fuzz/fuzz_<name> FILE).
 #
 # Environment: FUZZ_SECONDS (default 20) per target; FUZZ_TARGETS (default: all, e.g. "config shard");
 # FUZZ_JOBS targets run at the same time (default: the number of cores); JOBS build parallelism (default:
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 FUZZ_SECONDS=${FUZZ_SECONDS:-20}
 FUZZ_JOBS=${FUZZ_JOBS:-$(nproc)}
 JOBS=${JOBS:-$(nproc)}
-BUILD=build-fuzz
+BUILD=build-asan
 # Largest input per target: a little above the largest seed.
 declare -A MAX_LEN=([config]=4096 [safetensors]=4096 [checkpoint]=8192 [shard]=2048 [jsonl]=4096
                     [hf_config]=4096 [tokenizer]=16384 [bpe_roundtrip]=4096)
@@ -23,10 +23,7 @@ ALL_TARGETS=$(ls tests/fuzz/fuzz_*.cpp | sed 's|.*/fuzz_||; s|\.cpp$||' | tr '\n
 TARGETS=${FUZZ_TARGETS:-$ALL_TARGETS}
 
 start=$(date +%s)
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
-  -DNDT_CUDA=OFF -DNDT_FUZZ=ON -DNDT_BUILD_TESTS=OFF >/dev/null
-ninja -C "$BUILD" -j"$JOBS" $(for t in $TARGETS; do echo "fuzz_$t"; done)
+JOBS=$JOBS scripts/sanitize_build.sh $(for t in $TARGETS; do echo "fuzz_$t"; done)
 built=$(date +%s)
 echo "fuzz.sh: built in $((built - start)) s; fuzzing ${TARGETS% } for ${FUZZ_SECONDS} s each, $FUZZ_JOBS at a time"
 

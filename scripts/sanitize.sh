@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the single-process unit tests (ndtrain_tests: every tests/test_*.cpp) with clang, AddressSanitizer
-# and UndefinedBehaviorSanitizer in build-asan (NDT_CUDA=OFF), and runs them; the multi-rank (mpirun),
+# and UndefinedBehaviorSanitizer in build-asan (NDT_CUDA=OFF; scripts/sanitize_build.sh, shared with
+# scripts/fuzz.sh), and runs them; the multi-rank (mpirun),
 # CLI and GPU tests are not part of it. Exits non-zero on a failing test or any sanitizer report (ASan,
 # LeakSanitizer, UBSan: every report aborts the process). docs/reliability.md, "Fuzzing and sanitizers".
 #
@@ -11,14 +12,9 @@ cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
 SHARDS=${SANITIZE_SHARDS:-$(nproc)}
 BUILD=build-asan
-FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
 
 start=$(date +%s)
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
-  -DCMAKE_CXX_FLAGS="$FLAGS" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
-  -DNDT_CUDA=OFF >/dev/null
-ninja -C "$BUILD" -j"$JOBS" ndtrain_tests
+JOBS=$JOBS scripts/sanitize_build.sh ndtrain_tests
 built=$(date +%s)
 echo "sanitize.sh: built in $((built - start)) s; running ndtrain_tests in $SHARDS shard(s)"
 

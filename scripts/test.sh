@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install dependencies, build, and run the whole test suite (unit tests, gradient checks and the
 # multi-rank parity tests under mpirun), then every parser's fuzz target for 20 s (libFuzzer) and the unit
-# tests under AddressSanitizer + UndefinedBehaviorSanitizer (clang builds in build-fuzz and build-asan).
+# tests under AddressSanitizer + UndefinedBehaviorSanitizer (one clang build, build-asan, shared by both).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh --test

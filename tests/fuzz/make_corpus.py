@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the generated part of the seed corpus (tests/fuzz/corpus): safetensors files, token shards,
 tokenizer files, JSONL lines and texts. The config seeds are copies of configs/*.yaml; the checkpoint and
-hf_config seeds come from their targets (NDT_FUZZ_DUMP_SEED=DIR build-fuzz/tests/fuzz/fuzz_checkpoint
+hf_config seeds come from their targets (NDT_FUZZ_DUMP_SEED=DIR build-asan/tests/fuzz/fuzz_checkpoint
 -runs=0). Run from anywhere: python3 tests/fuzz/make_corpus.py"""
 import json
 import os
