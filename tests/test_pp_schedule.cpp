@@ -153,6 +153,26 @@ TEST(PpScheduleValidator, RejectsMismatchedMicrobatch) {
   expect_error(validate_schedule(s, 2, 2, 4), {"rank 1 action", "receives mb 3", "carries mb 1"});
 }
 
+TEST(PpScheduleValidator, RejectsPerPeerOrderNcclCannotMatch) {
+  // Interleaved with p = 2: rank 0 sends rank 1 activations and gradients. Swapping two receives of
+  // different kinds inside one batch keeps every channel FIFO (tags would still match them, as MPI does),
+  // but NCCL pairs the messages between two ranks in posting order, without tags.
+  Schedule s = make("interleaved", 2, 2, 4);
+  ASSERT_TRUE(validate_schedule(s, 2, 2, 4).is_ok());
+  bool swapped = false;
+  for (size_t i = 0; i + 1 < s[1].size() && !swapped; ++i) {
+    PpAction &a = s[1][i], &b = s[1][i + 1];
+    const auto recv = [](const PpAction& x) { return !x.is_compute() && !x.is_send(); };
+    if (a.batch_id >= 0 && a.batch_id == b.batch_id && recv(a) && recv(b) && a.kind != b.kind &&
+        a.peer == b.peer) {
+      std::swap(a, b);
+      swapped = true;
+    }
+  }
+  ASSERT_TRUE(swapped) << "no batch on rank 1 receives both kinds from one peer";
+  expect_error(validate_schedule(s, 2, 2, 4), {"from rank 0 to rank 1", "NCCL pairs them in order"});
+}
+
 TEST(PpScheduleValidator, RejectsUnbatchedDeadlock) {
   // Without batching, 1F1B's steady state has rank 0 sending an activation while rank 1 sends a
   // gradient: both block (this is why Megatron pairs send_forward_recv_backward).

@@ -14,7 +14,9 @@
 //    them together (non-blocking isend/irecv or one NCCL group) and waits for all. Batches never
 //    contain compute. An action with batch_id == -1 is a single blocking op.
 //  - Matching is FIFO per channel (src, dst, act|grad): the k-th send on a channel pairs with the
-//    k-th recv. An executor on MPI keeps this with one tag per direction kind.
+//    k-th recv. An executor on MPI keeps this with one tag per direction kind. NCCL has no tags: it
+//    pairs the k-th send from src to dst with the k-th recv posted for src on dst, whatever it carries,
+//    so the messages between two ranks must also keep one order across both kinds (checked too).
 //  - The generator puts every comm op between two computes into one batch (Megatron's
 //    send_forward_recv_backward & co.); a lone op stays blocking.
 #include <cstdint>

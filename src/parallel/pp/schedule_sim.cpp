@@ -126,6 +126,35 @@ struct Sim {
     return Status::ok();
   }
 
+  // NCCL matches per rank pair in posting order, without tags: the n-th message src posts for dst must be
+  // the n-th that dst posts for src, across activations and gradients (pair_channels pairs per kind).
+  Status same_order_per_peer() const {
+    std::map<std::pair<int, int>, std::pair<std::vector<size_t>, std::vector<size_t>>> pairs;
+    for (int r = 0; r < p; ++r)
+      for (size_t i = 0; i < s[r].size(); ++i) {
+        const PpAction& a = s[r][i];
+        if (a.is_compute()) continue;
+        if (a.is_send())
+          pairs[{r, a.peer}].first.push_back(i);
+        else
+          pairs[{a.peer, r}].second.push_back(i);
+      }
+    for (const auto& [k, lists] : pairs) {
+      const auto [src, dst] = k;
+      const auto& [sends, recvs] = lists;
+      for (size_t n = 0; n < sends.size() && n < recvs.size(); ++n)
+        if (match[src][sends[n]].second != recvs[n])
+          return at(
+              src, sends[n],
+              fmt::format("is message {} from rank {} to rank {}, but rank {} posts its receive as message "
+                          "{} from rank {}: NCCL pairs them in order, without tags",
+                          n, src, dst, dst,
+                          std::find(recvs.begin(), recvs.end(), match[src][sends[n]].second) - recvs.begin(),
+                          src));
+    }
+    return Status::ok();
+  }
+
   Status run(ScheduleStats* out) {
     const size_t kv = static_cast<size_t>(m) * v;
     std::vector<size_t> pc(p, 0);
@@ -250,6 +279,7 @@ Result<ScheduleStats> simulate_schedule(const Schedule& s, int p, int v, int m, 
   Sim sim{s, p, v, m, p * v - 1, cost, {}};
   if (Status st = sim.check_fields(); !st) return st;
   if (Status st = sim.pair_channels(); !st) return st;
+  if (Status st = sim.same_order_per_peer(); !st) return st;
   ScheduleStats stats;
   if (Status st = sim.run(&stats); !st) return st;
   return stats;
