@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <map>
 
 #include "core/check.h"
@@ -386,17 +387,17 @@ void copy_shard_of(Param& p, const Tensor& whole) {
 
 }  // namespace
 
-bool Generator::refit_from(ParamStore& train) {
+bool Generator::refit_copy(const std::function<RefitSource(const std::string&)>& find, bool same_device) {
   Impl& im = *impl_;
   ParamStore& dst = im.model->params();
-  bool ok = train.device() == dst.device();
+  bool ok = same_device;
   for (size_t i = 0; ok && i < dst.all().size(); ++i) {  // this rank's slice of every parameter is here
     const Param& p = *dst.all()[i];
-    const Param* s = train.find(p.name);
-    const bool whole = s && s->value.numel() == shape_numel(s->global_shape);
-    ok = s && s->global_shape == p.global_shape &&
-         (whole || (p.shard_dim >= 0 && s->shard_dim == p.shard_dim && s->shard_offset == p.shard_offset &&
-                    s->value.numel() == p.value.numel()));
+    const RefitSource s = find(p.name);
+    const bool whole = s.value && s.value->numel() == shape_numel(p.global_shape);
+    ok = s.value && s.global_shape == p.global_shape &&
+         (whole || (p.shard_dim >= 0 && s.shard_dim == p.shard_dim && s.shard_offset == p.shard_offset &&
+                    s.value->numel() == p.value.numel()));
   }
   if (im.world.size() > 1) {  // one path for all ranks: load_full's caller gathers collectively
     double v = ok ? 1.0 : 0.0;
@@ -405,7 +406,7 @@ bool Generator::refit_from(ParamStore& train) {
   }
   if (!ok) return false;
   for (auto& p : dst.all()) {  // fp32 master values: the same slice, or this rank's block of a whole tensor
-    const Tensor& src = train.find(p->name)->value;
+    const Tensor& src = *find(p->name).value;
     if (src.numel() == p->value.numel())
       p->value.copy_from(src);
     else
@@ -413,6 +414,30 @@ bool Generator::refit_from(ParamStore& train) {
   }
   dst.refresh_compute();
   return true;
+}
+
+bool Generator::refit_from(ParamStore& train) {
+  return refit_copy(
+      [&](const std::string& name) {
+        const Param* s = train.find(name);
+        return s ? RefitSource{&s->value, s->global_shape, s->shard_dim, s->shard_offset} : RefitSource{};
+      },
+      train.device() == impl_->model->params().device());
+}
+
+bool Generator::refit_from_full(const std::vector<std::pair<std::string, Tensor>>& full) {
+  std::map<std::string, const Tensor*> by_name;
+  bool same_device = true;
+  for (const auto& [name, t] : full) {
+    by_name[name] = &t;
+    same_device = same_device && t.device() == impl_->model->params().device();
+  }
+  return refit_copy(
+      [&](const std::string& name) {
+        auto it = by_name.find(name);
+        return it == by_name.end() ? RefitSource{} : RefitSource{it->second, it->second->shape(), -1, 0};
+      },
+      same_device);
 }
 
 std::vector<GenOutput> Generator::generate(const std::vector<GenRequest>& reqs, const SamplingParams& sp,

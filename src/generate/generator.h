@@ -7,6 +7,7 @@
 // Randomness is counter-based: the uniform that samples generated token i of a request is a pure
 // function of (seed, step, prompt_key, sample_key, i), so every layout draws the same rollouts.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -65,6 +66,10 @@ class Generator {
   // same path); returns false, copying nothing, when that does not hold on some rank: use
   // load_full(full_weights) then.
   bool refit_from(ParamStore& train);
+  // Refit from full (global) tensors already on the generator's device (Trainer::full_weights_on_device):
+  // each rank takes its gen_tp block of each on the device. Collective like refit_from; false, copying
+  // nothing, when a tensor is missing or on another device on some rank.
+  bool refit_from_full(const std::vector<std::pair<std::string, Tensor>>& full);
 
   // Generates every request (the same list on every rank); replicas split the list into contiguous
   // blocks; the outputs of all requests are returned on every rank, in request order. Collective over
@@ -76,6 +81,13 @@ class Generator {
 
  private:
   struct Impl;
+  struct RefitSource {  // a training tensor: the values this rank holds and which slice of the global
+    const Tensor* value = nullptr;
+    Shape global_shape;
+    int shard_dim = -1;
+    int64_t shard_offset = 0;
+  };
+  bool refit_copy(const std::function<RefitSource(const std::string&)>& find, bool same_device);
   std::unique_ptr<Impl> impl_;
   GenLayout layout_;
 };

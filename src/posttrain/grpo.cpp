@@ -19,8 +19,12 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 double PolicySampler::refit() {
   if (!stale_) return 0;
   const auto t0 = std::chrono::steady_clock::now();
-  // Device to device when the training layout holds whole weights here, else gathered from any layout.
-  if (!gen_.refit_from(trainer_.params())) gen_.load_full(trainer_.full_weights());
+  // Device to device when the training store holds this rank's slices; else, for pipeline stages of whole
+  // tensors, broadcast over the stages on the device; else gathered through the host from any layout.
+  if (!gen_.refit_from(trainer_.params())) {
+    const auto on_device = trainer_.full_weights_on_device();
+    if (!on_device || !gen_.refit_from_full(*on_device)) gen_.load_full(trainer_.full_weights());
+  }
   stale_ = false;
   return seconds_since(t0);
 }

@@ -99,6 +99,10 @@ class Trainer {
   int64_t start_step() const { return start_step_; }
   // Full (global) parameter tensors on EVERY rank (gathered over TP, EP and PP): refit's source.
   std::vector<std::pair<std::string, Tensor>> full_weights();
+  // The same on the store's device, for a layout whose stages hold whole tensors (no TP or EP sharding,
+  // no second module): each stage broadcasts its fp32 values over the pipeline group (NCCL on GPUs) with
+  // no host copy. nullopt (on every rank: it depends on the layout only) for any other layout.
+  std::optional<std::vector<std::pair<std::string, Tensor>>> full_weights_on_device();
   // Exchanges this rank's parameter values with `other` (its own slices, as a previous call left them);
   // an empty `other` receives a copy and the weights stay. Local (no collective). Post-training scores
   // with a frozen reference policy by swapping it in and out.

@@ -1,4 +1,5 @@
 // Trainer::run: the loop with its progress line, metrics, evaluation and final outputs.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -27,43 +28,58 @@ void print_eval(const EvalStats& ev, int64_t step) {
 
 }  // namespace
 
-std::vector<std::pair<std::string, Tensor>> Trainer::full_weights() {
-  std::vector<std::pair<std::string, Tensor>> full;
-  engine_->params().with_host_values([&] { full = gather_full_params(engine_->params(), *c_.tp, c_.ep); },
-                                     /*write_back=*/false);
-  // A second module is whole on every rank of every stage: added after the stages' exchange, not through it.
-  auto with_companion = [this](std::vector<std::pair<std::string, Tensor>> w) {
-    if (companion_)
-      for (auto& t : companion_->full_weights()) w.push_back(std::move(t));
-    return w;
-  };
-  Communicator& pp = *c_.pp;
-  if (pp.size() == 1) return with_companion(std::move(full));
-  // Every stage broadcasts its tensors to the others (names, shapes, data), skipping tied copies.
+namespace {
+
+// Every pipeline stage broadcasts its tensors (names and shapes over the host, values as `dev` tensors:
+// the device buffers go over NCCL on GPUs) in stage order; a name already taken (the tied embedding's
+// copy on the last stage) is skipped. Collective over pp.
+std::vector<std::pair<std::string, Tensor>> exchange_stages(
+    Communicator& pp, const std::vector<std::pair<std::string, Tensor>>& mine, Device dev) {
   std::vector<std::pair<std::string, Tensor>> all;
   for (int q = 0; q < pp.size(); ++q) {
-    int64_t n = q == pp.rank() ? static_cast<int64_t>(full.size()) : 0;
+    const bool root = q == pp.rank();
+    int64_t n = root ? static_cast<int64_t>(mine.size()) : 0;
     pp.broadcast(&n, 1, DType::I64, q);
     for (int64_t i = 0; i < n; ++i) {
-      std::string name = q == pp.rank() ? full[static_cast<size_t>(i)].first : std::string();
+      std::string name = root ? mine[static_cast<size_t>(i)].first : std::string();
       int64_t meta[2] = {static_cast<int64_t>(name.size()),
-                         q == pp.rank() ? full[static_cast<size_t>(i)].second.dim() : 0};
+                         root ? mine[static_cast<size_t>(i)].second.dim() : 0};
       pp.broadcast(meta, 2, DType::I64, q);
       std::vector<int32_t> chars(name.begin(), name.end());  // (no byte dtype on the wire)
       chars.resize(static_cast<size_t>(meta[0]));
       pp.broadcast(chars.data(), meta[0], DType::I32, q);
       name.assign(chars.begin(), chars.end());
-      Shape shape =
-          q == pp.rank() ? full[static_cast<size_t>(i)].second.shape() : Shape(static_cast<size_t>(meta[1]));
+      Shape shape = root ? mine[static_cast<size_t>(i)].second.shape() : Shape(static_cast<size_t>(meta[1]));
       pp.broadcast(shape.data(), meta[1], DType::I64, q);
-      Tensor t = q == pp.rank() ? full[static_cast<size_t>(i)].second : Tensor::empty(shape);
+      Tensor t = root ? mine[static_cast<size_t>(i)].second : Tensor::empty(shape, DType::F32, dev);
       pp.broadcast(t.data_ptr(), t.numel(), DType::F32, q);
-      bool have = false;
-      for (const auto& e : all) have = have || e.first == name;
-      if (!have) all.emplace_back(std::move(name), t);
+      if (std::none_of(all.begin(), all.end(), [&](const auto& e) { return e.first == name; }))
+        all.emplace_back(std::move(name), std::move(t));
     }
   }
-  return with_companion(std::move(all));
+  return all;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, Tensor>> Trainer::full_weights() {
+  std::vector<std::pair<std::string, Tensor>> full;
+  engine_->params().with_host_values([&] { full = gather_full_params(engine_->params(), *c_.tp, c_.ep); },
+                                     /*write_back=*/false);
+  if (c_.pp->size() > 1) full = exchange_stages(*c_.pp, full, Device::CPU);
+  // A second module is whole on every rank of every stage: added after the stages' exchange, not through it.
+  if (companion_)
+    for (auto& t : companion_->full_weights()) full.push_back(std::move(t));
+  return full;
+}
+
+std::optional<std::vector<std::pair<std::string, Tensor>>> Trainer::full_weights_on_device() {
+  if ((c_.tp && c_.tp->size() > 1) || (c_.ep && c_.ep->size() > 1) || companion_) return std::nullopt;
+  ParamStore& store = engine_->params();
+  std::vector<std::pair<std::string, Tensor>> mine;
+  for (const auto& p : store.all()) mine.emplace_back(p->name, p->value);  // whole tensors: store views
+  if (c_.pp->size() == 1) return mine;
+  return exchange_stages(*c_.pp, mine, store.device());
 }
 
 std::vector<std::pair<std::string, Tensor>> Trainer::full_grads() {
