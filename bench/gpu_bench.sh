@@ -25,7 +25,11 @@
 #                    repo root is put on LD_LIBRARY_PATH by this script)
 #   MODELS="gpt2 llama"  (also: moe; tiny, tiny-moe: smoke tests)
 #   STEPS=60  WARMUP=10 (steps left out of timing)  LOSS_STEPS=50
-#   TORCH_MODES="eager compile"  PYTHON=python3  TIMEOUT=400 (seconds per training run)
+#   TORCH_MODES="eager compile"  PYTHON=python3  TIMEOUT=400 (seconds per training run); modes: eager,
+#                    compile (both read the loss back every step, as ndtrain: "same semantics"), fastest
+#                    (torch.compile with the loss read back every 10 steps, SDPA's own backend choice;
+#                    TORCH_COMPILE_MODE=max-autotune-no-cudagraphs to try that mode too). Pad the
+#                    vocabulary for both sides with GPT2_SETS=model.vocab_size=50304.
 #   SCRATCH=/tmp/ndtrain-bench   big files (shards, initial weights), removed per model unless KEEP=1
 #   GPT2_SETS, LLAMA_SETS, MOE_SETS  extra `key=value` overrides for both trainers
 #   LLAMA_BATCH=8 LLAMA_MICRO=4 LLAMA_SEQ=2048 LLAMA_RECOMPUTE=false
@@ -126,8 +130,10 @@ run_model() {
 
   for mode in $TORCH_MODES; do
     log "$name: torch $mode"
+    local how=(--mode "$mode")
+    [ "$mode" = fastest ] && how=(--mode compile --sync-every 10 --attention auto --compile-mode "${TORCH_COMPILE_MODE:-}")
     timeout "$TIMEOUT" $PY bench/torch_model.py train --config "$cfg" --set "${sets[@]}" ${init_file:+--init "$init_file"} \
-      --mode "$mode" --device "$DEVICE" --precision "$PRECISION" --out "$dir/torch_$mode" > "$dir/torch_$mode.log" 2>&1
+      "${how[@]}" --device "$DEVICE" --precision "$PRECISION" --out "$dir/torch_$mode" > "$dir/torch_$mode.log" 2>&1
     rc=$?
     tail -n 2 "$dir/torch_$mode.log"
     [ $rc -ne 0 ] && { log "$name: torch $mode FAILED (exit $rc)"; failed+=(--failed "torch $mode=exit $rc, see torch_$mode.log"); }

@@ -544,7 +544,8 @@ def train(a):
         gemm, why = choose_expert_gemm(cfg, dev, bf16)
         set_moe(model, gemm, torch.bfloat16 if bf16 else torch.float32, gb, gb * S)
         print(f"MoE experts: {'torch._grouped_mm' if gemm == 'grouped' else 'per-expert loop'} ({why})", flush=True)
-    fwd = torch.compile(model) if a.mode == "compile" else model
+    fwd = (torch.compile(model, mode=a.compile_mode) if a.compile_mode else torch.compile(model)) \
+        if a.mode == "compile" else model
     params = list(model.parameters())
     shuffle = bool(cfg.get("data.shuffle", True))
 
@@ -582,6 +583,7 @@ def train(a):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
+    pending, t_first = [], start
     for step in range(steps):
         t0 = time.perf_counter()
         idx = [(step * gb + j) % data.size if not shuffle else
@@ -601,7 +603,7 @@ def train(a):
             set_moe(model, "loop", torch.bfloat16 if bf16 else torch.float32, gb, gb * S)
             if a.mode == "compile":
                 importlib.import_module("torch._dynamo").reset()  # (no `import torch...` here: torch would go local)
-                fwd = torch.compile(model)
+                fwd = torch.compile(model, mode=a.compile_mode) if a.compile_mode else torch.compile(model)
             loss_sum, moe_stats = forward_backward(x_all, y_all, n_tokens)
             print("MoE experts: per-expert loop (after the grouped GEMM failed)", flush=True)
         clip = cfg["train.grad_clip"]
@@ -612,31 +614,49 @@ def train(a):
             gr["lr"] = lr
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss = loss_sum.item() / n_tokens  # waits for the step, like ndtrain reading its loss
+        # --sync-every 1 reads the loss back every step, as ndtrain does ("same semantics"); N > 1 keeps the
+        # step's numbers on the device and reads the last N back together ("fastest": no per-step sync).
+        if not pending:
+            t_first = t0
+        pending.append((step, lr, n_tokens, loss_sum.detach(), gnorm.detach(), moe_stats))
+        if a.sync_every > 1 and (step + 1) % a.sync_every != 0 and step != steps - 1:
+            continue
+        losses = torch.stack([p[3] for p in pending]).double().cpu().tolist()  # one wait for the device
+        gnorms = torch.stack([p[4] for p in pending]).double().cpu().tolist()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        rec = {"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": float(gnorm),
-               "loss_tokens": n_tokens, "step_seconds": t1 - t0, "elapsed_seconds": t1 - start,
-               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0}
-        moe_note = ""
-        if moe_stats is not None:  # as ndtrain's metrics: values over the global batch, coefficients applied
-            E = cfg["model.moe.num_experts"]
-            st = moe_stats.double().cpu().tolist()
-            ratios = [max(r[:E]) / (sum(r[:E]) / E) for r in st if sum(r[:E]) > 0]
-            rec["moe_aux_loss"] = sum(r[E] for r in st)
-            rec["moe_z_loss"] = sum(r[E + 1] for r in st)
-            rec["expert_load_max_over_mean"] = max(ratios) if ratios else 0.0
-            rec["expert_load"] = {str(l): r[:E] for l, r in zip(moe_layers, st)}
-            moe_note = (f" | aux {rec['moe_aux_loss']:.4f} z {rec['moe_z_loss']:.4f} | "
-                        f"load max/mean {rec['expert_load_max_over_mean']:.2f}")
-        out.write(json.dumps(rec) + "\n")
-        out.flush()
-        if step % a.log_every == 0 or step == steps - 1:
-            print(f"step {step:5d}/{steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {float(gnorm):.3f} | "
-                  f"{gb * S / (t1 - t0):,.0f} tok/s | step {1e3 * (t1 - t0):.1f} ms | "
-                  f"mem {rec['peak_mem_gib']:.2f} GiB{moe_note}", flush=True)
+        per_step = (t1 - t_first) / len(pending)  # the steps since the last read-back share its wall time
+        for i, (st_step, st_lr, st_tokens, _, _, st_moe) in enumerate(pending):
+            write_record(out, a, st_step, steps, st_lr, st_tokens, losses[i] / st_tokens, gnorms[i], st_moe,
+                         per_step, t_first + per_step * (i + 1) - start, gb * S, dev, moe_layers, cfg)
+        pending = []
     out.close()
+
+
+def write_record(out, a, step, steps, lr, n_tokens, loss, gnorm, moe_stats, step_s, elapsed, tokens, dev, moe_layers,
+                 cfg):
+    """One metrics.jsonl record (ndtrain's fields) and, at log steps, the progress line."""
+    rec = {"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
+           "loss_tokens": n_tokens, "step_seconds": step_s, "elapsed_seconds": elapsed,
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0}
+    moe_note = ""
+    if moe_stats is not None:  # as ndtrain's metrics: values over the global batch, coefficients applied
+        E = cfg["model.moe.num_experts"]
+        st = moe_stats.double().cpu().tolist()
+        ratios = [max(r[:E]) / (sum(r[:E]) / E) for r in st if sum(r[:E]) > 0]
+        rec["moe_aux_loss"] = sum(r[E] for r in st)
+        rec["moe_z_loss"] = sum(r[E + 1] for r in st)
+        rec["expert_load_max_over_mean"] = max(ratios) if ratios else 0.0
+        rec["expert_load"] = {str(l): r[:E] for l, r in zip(moe_layers, st)}
+        moe_note = (f" | aux {rec['moe_aux_loss']:.4f} z {rec['moe_z_loss']:.4f} | "
+                    f"load max/mean {rec['expert_load_max_over_mean']:.2f}")
+    out.write(json.dumps(rec) + "\n")
+    out.flush()
+    if step % a.log_every == 0 or step == steps - 1:
+        print(f"step {step:5d}/{steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {gnorm:.3f} | "
+              f"{tokens / step_s:,.0f} tok/s | step {1e3 * step_s:.1f} ms | "
+              f"mem {rec['peak_mem_gib']:.2f} GiB{moe_note}", flush=True)
 
 
 def set_moe(model, gemm, compute_dtype, seqs, tokens):
@@ -682,6 +702,10 @@ def main():
     t.add_argument("--schedule-steps", type=int, default=None,
                    help="total steps of the lr schedule (default: the steps run, as ndtrain's train.steps)")
     t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--sync-every", type=int, default=1,
+                   help="read the loss back every N steps (1: every step, as ndtrain; N > 1: no per-step sync)")
+    t.add_argument("--compile-mode", default="",
+                   help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: torch's default)")
     p = sub.add_parser("peak")
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--trials", type=int, default=5)
