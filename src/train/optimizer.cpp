@@ -35,8 +35,13 @@ Optimizer::Optimizer(ParamStore& params, const TrainConfig& cfg, OptimizerComms 
   bool any_expert = false;
   for (auto& p : params_.all()) any_expert = any_expert || p->expert;
   const int64_t eb = any_expert ? params_.expert_begin() : n;
-  Region dense{0, eb, c_.dp, nullptr};
-  Region expert{eb, n, c_.expert_dp ? c_.expert_dp : c_.dp, c_.ep};
+  Region dense, expert;
+  dense.end = eb;
+  dense.dp = c_.dp;
+  expert.begin = eb;
+  expert.end = n;
+  expert.dp = c_.expert_dp ? c_.expert_dp : c_.dp;
+  expert.norm_extra = c_.ep;
   int64_t state = 0;
   for (Region r : {dense, expert}) {
     if (r.end <= r.begin) continue;
