@@ -11,11 +11,6 @@
 #endif
 
 namespace ndt {
-
-#ifdef NDT_HAVE_CUDA
-struct PipelineEngine::GpuClock : cuda::IntervalClock {};
-#endif
-
 namespace {
 
 constexpr int kTagAct = 1, kTagGrad = 2;
@@ -180,7 +175,7 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
   const bool gpu_timed = store_.device() == Device::CUDA && p_ > 1;
 #ifdef NDT_HAVE_CUDA
   if (gpu_timed) {
-    if (!gpu_clock_) gpu_clock_ = std::make_shared<GpuClock>();
+    if (!gpu_clock_) gpu_clock_ = std::make_shared<cuda::IntervalClock>();
     gpu_clock_->start();
   }
   auto gpu_clock = [&](bool begin) {

@@ -19,6 +19,9 @@
 #include "train/token_loss.h"
 
 namespace ndt {
+namespace cuda {
+class IntervalClock;
+}  // namespace cuda
 
 // First layer of each of the p*v stages plus the end (size p*v + 1), from parallel.stage_layers or an
 // even split. Error names the key when the list does not fit the model.
@@ -115,8 +118,7 @@ class PipelineEngine {
       layer_ranges_;  // pp ranks 0 and p-1, when embeddings are tied and p > 1
   bool peers_connected_ = false;
   double compute_s_ = 0, span_s_ = 0;
-  struct GpuClock;  // cuda::IntervalClock (CUDA builds)
-  std::shared_ptr<GpuClock> gpu_clock_;
+  std::shared_ptr<cuda::IntervalClock> gpu_clock_;  // GPU event timing (CUDA builds, p > 1)
   MoeStepContext moe_ctx_;
 };
 

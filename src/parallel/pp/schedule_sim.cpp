@@ -88,8 +88,12 @@ struct Sim {
   }
 
   // Pairs the k-th send with the k-th recv of each (src, dst, act|grad) channel and checks contents.
+  // NCCL has no tags: it pairs the messages between two ranks in posting order across both kinds, so
+  // the pairs found per channel must also be the n-th send and the n-th recv of their rank pair.
   Status pair_channels() {
-    std::map<std::tuple<int, int, bool>, std::pair<std::vector<size_t>, std::vector<size_t>>> ch;
+    using Lists = std::pair<std::vector<size_t>, std::vector<size_t>>;  // sends on src, recvs on dst
+    std::map<std::tuple<int, int, bool>, Lists> ch;
+    std::map<std::pair<int, int>, Lists> pairs;
     match.assign(p, {});
     for (int r = 0; r < p; ++r) {
       match[r].assign(s[r].size(), {-1, 0});
@@ -97,10 +101,13 @@ struct Sim {
         const PpAction& a = s[r][i];
         if (a.is_compute()) continue;
         const bool grad = a.kind == PpAction::SendGrad || a.kind == PpAction::RecvGrad;
-        if (a.is_send())
+        if (a.is_send()) {
           ch[{r, a.peer, grad}].first.push_back(i);
-        else
+          pairs[{r, a.peer}].first.push_back(i);
+        } else {
           ch[{a.peer, r, grad}].second.push_back(i);
+          pairs[{a.peer, r}].second.push_back(i);
+        }
       }
     }
     for (const auto& [k, lists] : ch) {
@@ -123,26 +130,10 @@ struct Sim {
         match[dst][recvs[n]] = {src, sends[n]};
       }
     }
-    return Status::ok();
-  }
-
-  // NCCL matches per rank pair in posting order, without tags: the n-th message src posts for dst must be
-  // the n-th that dst posts for src, across activations and gradients (pair_channels pairs per kind).
-  Status same_order_per_peer() const {
-    std::map<std::pair<int, int>, std::pair<std::vector<size_t>, std::vector<size_t>>> pairs;
-    for (int r = 0; r < p; ++r)
-      for (size_t i = 0; i < s[r].size(); ++i) {
-        const PpAction& a = s[r][i];
-        if (a.is_compute()) continue;
-        if (a.is_send())
-          pairs[{r, a.peer}].first.push_back(i);
-        else
-          pairs[{a.peer, r}].second.push_back(i);
-      }
-    for (const auto& [k, lists] : pairs) {
+    for (const auto& [k, lists] : pairs) {  // (the channels above matched every send and recv)
       const auto [src, dst] = k;
       const auto& [sends, recvs] = lists;
-      for (size_t n = 0; n < sends.size() && n < recvs.size(); ++n)
+      for (size_t n = 0; n < sends.size(); ++n)
         if (match[src][sends[n]].second != recvs[n])
           return at(
               src, sends[n],
@@ -279,7 +270,6 @@ Result<ScheduleStats> simulate_schedule(const Schedule& s, int p, int v, int m, 
   Sim sim{s, p, v, m, p * v - 1, cost, {}};
   if (Status st = sim.check_fields(); !st) return st;
   if (Status st = sim.pair_channels(); !st) return st;
-  if (Status st = sim.same_order_per_peer(); !st) return st;
   ScheduleStats stats;
   if (Status st = sim.run(&stats); !st) return st;
   return stats;
