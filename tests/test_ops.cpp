@@ -1,8 +1,10 @@
 // Tests of the CPU reference ops (ops/cpu_ops.h): finite-difference gradient checks for every
-// backward (tolerance stated in gradcheck.h), plus forward references and the vocab-parallel pieces.
+// backward (tolerance stated in gradcheck.h), plus forward references and the vocab-parallel pieces, and the
+// CPU path of the tensor-level fused ops (bit-identical to the composite they replace).
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "core/check.h"
 #include "gradcheck.h"
 #include "ops/cpu_ops.h"
+#include "ops/ops.h"
 
 namespace {
 
@@ -496,6 +499,42 @@ TEST(OpsOptim, Reductions) {
   const Vec z = {1, 1, 1};
   cpu::add_inplace(y.data(), z.data(), 3);
   EXPECT_EQ(y, (Vec{1.5f, 2.0f, 2.5f}));
+}
+
+// ---------------------------------------------------------------- tensor-level fused ops
+
+// The fused MLP ops (ops::linear_gelu_forward / linear_dgelu_backward) are, on the CPU, the very composite
+// they replace in Transformer::mlp_*: bit-identical results, so CPU training runs are unchanged.
+TEST(OpsFused, LinearGeluIsTheCompositeOnCpu) {
+  std::mt19937 rng(21);
+  const int64_t T = 5, C = 6, F = 12;
+  auto tensor = [&](ndt::Shape s) {
+    ndt::Tensor t = ndt::Tensor::empty(std::move(s));
+    const Vec v = randn(static_cast<size_t>(t.numel()), rng);
+    std::copy(v.begin(), v.end(), t.f32());
+    return t;
+  };
+  auto vec = [](const ndt::Tensor& t) { return Vec(t.f32(), t.f32() + t.numel()); };
+  const ndt::Tensor x = tensor({T, C}), w1 = tensor({F, C}), b1 = tensor({F}), w2 = tensor({C, F}),
+                    dout = tensor({T, C}), dw0 = tensor({C, F});
+  for (const ndt::Tensor* bias : {&b1, static_cast<const ndt::Tensor*>(nullptr)}) {
+    ndt::Tensor pre = ndt::Tensor::empty({T, F}), act = ndt::Tensor::empty({T, F});
+    ndt::Tensor pre_ref = ndt::Tensor::empty({T, F}), act_ref = ndt::Tensor::empty({T, F});
+    ndt::ops::linear_gelu_forward(act, pre, x, w1, bias);
+    ndt::ops::linear_forward(pre_ref, x, w1, bias);
+    ndt::ops::gelu_forward(act_ref, pre_ref);
+    EXPECT_EQ(vec(pre), vec(pre_ref));
+    EXPECT_EQ(vec(act), vec(act_ref));
+
+    ndt::Tensor dpre = ndt::Tensor::full({T, F}, NAN), dw = dw0.clone();  // dpre is overwritten
+    ndt::Tensor dact = ndt::Tensor::empty({T, F}), dpre_ref = ndt::Tensor::empty({T, F}),
+                dw_ref = dw0.clone();
+    ndt::ops::linear_dgelu_backward(dpre, dw, dout, act, w2, pre);
+    ndt::ops::linear_backward(&dact, dw_ref, nullptr, dout, act, w2, /*accumulate_dinp=*/false);
+    ndt::ops::gelu_backward(dpre_ref, dact, pre, /*accumulate=*/false);
+    EXPECT_EQ(vec(dpre), vec(dpre_ref));
+    EXPECT_EQ(vec(dw), vec(dw_ref));
+  }
 }
 
 }  // namespace

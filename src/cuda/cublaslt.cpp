@@ -1,5 +1,6 @@
 // cuBLASLt gemm with cached handles, per-stream workspaces and per-problem algorithms; linear_forward and
-// linear_backward on top of it. Host code only (compiled by the host compiler, so it may use fmt).
+// linear_backward (and the GPT-2 MLP GELU fusions) on top of it. Host code only (compiled by the host
+// compiler, so it may use fmt).
 #include "cuda/cublaslt.h"
 
 #include <cublas_v2.h>
@@ -36,9 +37,13 @@ struct DeviceState {
   std::map<cudaStream_t, void*> workspace;
 };
 
-// Everything that decides the algorithm. Alignments are those of the actual pointers (capped at 256).
+// What the matmul does after the product (cublasLtEpilogue_t values in make_plan).
+enum class Epi : int { none = 0, bias, gelu_aux, gelu_aux_bias, dgelu };
+
+// Everything that decides the algorithm: device, types, transposes, m, n, k, leading dims, epilogue, the
+// alignments of the actual pointers (capped at 256), then the GELU aux buffer's alignment and leading dim.
 using PlanKey = std::tuple<int, int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           bool, int, int, int>;
+                           int, int, int, int, int, int64_t>;
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -55,6 +60,7 @@ std::map<PlanKey, Plan> g_plans;
 // runs once per class instead of once per size; the class plan's layouts take each call's sizes.
 std::map<PlanKey, Plan> g_class_plans;
 int64_t g_fallbacks = 0;
+int64_t g_gelu_fused = 0;
 
 int current_device() {
   int dev = 0;
@@ -93,20 +99,45 @@ struct ColMajor {
   const void *A, *B;
 };
 
-Plan make_plan(cublasLtHandle_t lt, DType ab, DType c, const ColMajor& p, bool bias, int align_a, int align_b,
-               int align_c) {
+cublasLtEpilogue_t lt_epilogue(Epi e) {
+  switch (e) {
+    case Epi::none:
+      return CUBLASLT_EPILOGUE_DEFAULT;
+    case Epi::bias:
+      return CUBLASLT_EPILOGUE_BIAS;
+    case Epi::gelu_aux:
+      return CUBLASLT_EPILOGUE_GELU_AUX;
+    case Epi::gelu_aux_bias:
+      return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case Epi::dgelu:
+      return CUBLASLT_EPILOGUE_DGELU;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+// The GELU aux pointer and its leading dim are set before the heuristic query, which reads the pointer's
+// alignment. The aux type is left at its default, the output type (bf16 aux for a bf16 output).
+Plan make_plan(cublasLtHandle_t lt, DType ab, DType c, const ColMajor& p, Epi epi, int align_a, int align_b,
+               int align_c, void* aux = nullptr, int64_t ldaux = 0) {
   Plan plan;
   NDT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t opa = p.ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = p.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   NDT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
   NDT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
-  if (bias) {
-    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+  if (epi != Epi::none) {
+    const cublasLtEpilogue_t e = lt_epilogue(epi);
+    NDT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
+  }
+  if (epi == Epi::bias || epi == Epi::gelu_aux_bias) {
     const cudaDataType_t bt = cuda_type(c);
     NDT_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-    NDT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+  }
+  if (aux) {
+    NDT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                    &aux, sizeof(aux)));
+    NDT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ldaux,
+                                                    sizeof(ldaux)));
   }
   const auto rows = [](bool t, int64_t r, int64_t cl) { return static_cast<uint64_t>(t ? cl : r); };
   NDT_CUBLAS_CHECK(
@@ -137,8 +168,8 @@ Plan make_plan(cublasLtHandle_t lt, DType ab, DType c, const ColMajor& p, bool b
   if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
     plan.algo = result.algo;
     plan.ok = true;
-  } else if (st != CUBLAS_STATUS_NOT_SUPPORTED) {
-    NDT_CUBLAS_CHECK(st);
+  } else if (st != CUBLAS_STATUS_NOT_SUPPORTED && !(aux && st == CUBLAS_STATUS_INVALID_VALUE)) {
+    NDT_CUBLAS_CHECK(st);  // (a GELU epilogue this cuBLASLt refuses is no error: it runs unfused)
   }
   return plan;
 }
@@ -172,6 +203,27 @@ void fallback_gemm(DeviceState& s, DType ab, DType c, const ColMajor& p, float a
                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   ++g_fallbacks;
 }
+
+// The plan to run a problem on, with g_mutex held: its exact plan, made on first use; but before that
+// exists, its size class's plan set to this problem's sizes when `run` succeeds on it (then nullptr: done).
+template <typename Run, typename Make>
+Plan* find_plan(const PlanKey& key, const ColMajor& p, Run&& run, Make&& make) {
+  auto it = g_plans.find(key);
+  if (it != g_plans.end()) return &it->second;
+  PlanKey ck = key;
+  std::get<5>(ck) = pow2_ceil(p.m);
+  std::get<6>(ck) = pow2_ceil(p.n);
+  std::get<7>(ck) = pow2_ceil(p.k);
+  auto cit = g_class_plans.find(ck);
+  if (cit != g_class_plans.end() && cit->second.ok) {
+    set_sizes(cit->second, p);
+    if (run(cit->second) == CUBLAS_STATUS_SUCCESS) return nullptr;
+    // This size needs an algorithm of its own: plan it exactly below.
+  }
+  it = g_plans.emplace(key, make()).first;
+  if (cit == g_class_plans.end()) g_class_plans.emplace(ck, make());
+  return &it->second;
+}
 }  // namespace
 
 void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
@@ -193,6 +245,7 @@ void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, i
   const int dev = current_device();
   DeviceState& s = device_state(dev);
   const int aa = alignment(p.A), ab_ = alignment(p.B), ac = alignment(C);
+  const Epi epi = epilogue_bias ? Epi::bias : Epi::none;
   const PlanKey key{dev,
                     static_cast<int>(ab),
                     static_cast<int>(c),
@@ -204,34 +257,22 @@ void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, i
                     p.lda,
                     p.ldb,
                     p.ldc,
-                    epilogue_bias,
+                    static_cast<int>(epi),
                     aa,
                     ab_,
-                    ac};
-  auto it = g_plans.find(key);
-  if (it == g_plans.end()) {
-    PlanKey ck = key;
-    std::get<5>(ck) = pow2_ceil(p.m);
-    std::get<6>(ck) = pow2_ceil(p.n);
-    std::get<7>(ck) = pow2_ceil(p.k);
-    auto cit = g_class_plans.find(ck);
-    if (cit != g_class_plans.end() && cit->second.ok) {
-      Plan& cp = cit->second;
-      set_sizes(cp, p);
-      if (epilogue_bias)
-        NDT_CUBLAS_CHECK(
-            cublasLtMatmulDescSetAttribute(cp.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-      const cublasStatus_t st = cublasLtMatmul(s.lt, cp.desc, &alpha, p.A, cp.a, p.B, cp.b, &beta, C, cp.c, C,
-                                               cp.c, &cp.algo, workspace(s, stream), kWorkspaceBytes, stream);
-      if (st == CUBLAS_STATUS_SUCCESS) return;
-      // This size needs an algorithm of its own: plan it exactly below.
-    }
-    it = g_plans.emplace(key, make_plan(s.lt, ab, c, p, epilogue_bias, aa, ab_, ac)).first;
-    if (cit == g_class_plans.end())
-      g_class_plans.emplace(ck, make_plan(s.lt, ab, c, p, epilogue_bias, aa, ab_, ac));
-  }
-  Plan& plan = it->second;
-  if (!plan.ok) {
+                    ac,
+                    0,
+                    0};
+  const auto run = [&](Plan& pl) {
+    if (epilogue_bias)
+      NDT_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    return cublasLtMatmul(s.lt, pl.desc, &alpha, p.A, pl.a, p.B, pl.b, &beta, C, pl.c, C, pl.c, &pl.algo,
+                          workspace(s, stream), kWorkspaceBytes, stream);
+  };
+  Plan* plan = find_plan(key, p, run, [&] { return make_plan(s.lt, ab, c, p, epi, aa, ab_, ac); });
+  if (!plan) return;  // ran on its size class's plan
+  if (!plan->ok) {
     if (epilogue_bias) {
       detail::broadcast_rows(C, bias, c == DType::bf16, M, N, stream);
       beta = 1.0f;
@@ -239,11 +280,63 @@ void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, i
     fallback_gemm(s, ab, c, p, alpha, beta, C, stream);
     return;
   }
-  if (epilogue_bias)
-    NDT_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-  NDT_CUBLAS_CHECK(cublasLtMatmul(s.lt, plan.desc, &alpha, p.A, plan.a, p.B, plan.b, &beta, C, plan.c, C,
-                                  plan.c, &plan.algo, workspace(s, stream), kWorkspaceBytes, stream));
+  NDT_CUBLAS_CHECK(run(*plan));
+}
+
+bool gemm_gelu(GeluEpilogue kind, DType t, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+               const void* A, int64_t lda, const void* B, int64_t ldb, void* C, int64_t ldc, const void* bias,
+               void* aux, int64_t ldaux, cudaStream_t stream) {
+  if (M <= 0 || N <= 0 || K <= 0) return false;
+  NDT_CHECK(kind == GeluEpilogue::forward || !bias, "gemm_gelu: the backward epilogue takes no bias");
+  // cuBLASLt's limit on the GELU aux matrix (ld a multiple of 8); 16-byte aligned epilogue operands.
+  const auto aligned16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) % 16) == 0; };
+  if (ldaux % 8 != 0 || ldaux < N || !aligned16(aux) || (bias && !aligned16(bias))) return false;
+  const ColMajor p{trans_b, trans_a, N, M, K, ldb, lda, ldc, B, A};
+  const Epi epi = kind == GeluEpilogue::backward ? Epi::dgelu : bias ? Epi::gelu_aux_bias : Epi::gelu_aux;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const int dev = current_device();
+  DeviceState& s = device_state(dev);
+  const int aa = alignment(p.A), ab_ = alignment(p.B), ac = alignment(C);
+  const PlanKey key{dev,
+                    static_cast<int>(t),
+                    static_cast<int>(t),
+                    p.ta,
+                    p.tb,
+                    p.m,
+                    p.n,
+                    p.k,
+                    p.lda,
+                    p.ldb,
+                    p.ldc,
+                    static_cast<int>(epi),
+                    aa,
+                    ab_,
+                    ac,
+                    alignment(aux),
+                    ldaux};
+  const float alpha = 1.0f, beta = 0.0f;
+  const auto run = [&](Plan& pl) {
+    NDT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
+                                                    sizeof(aux)));
+    if (bias)
+      NDT_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    return cublasLtMatmul(s.lt, pl.desc, &alpha, p.A, pl.a, p.B, pl.b, &beta, C, pl.c, C, pl.c, &pl.algo,
+                          workspace(s, stream), kWorkspaceBytes, stream);
+  };
+  // Size classes as in gemm: decode and prefill steps change the row count from call to call.
+  Plan* plan = find_plan(key, p, run, [&] { return make_plan(s.lt, t, t, p, epi, aa, ab_, ac, aux, ldaux); });
+  if (plan) {
+    if (!plan->ok) return false;
+    const cublasStatus_t st = run(*plan);
+    if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // offered by the heuristic yet refused: never try it again
+      plan->ok = false;
+      return false;
+    }
+    NDT_CUBLAS_CHECK(st);
+  }
+  ++g_gelu_fused;
+  return true;
 }
 
 cublasLtHandle_t cublaslt_handle() {
@@ -254,6 +347,11 @@ cublasLtHandle_t cublaslt_handle() {
 int64_t gemm_fallback_count() {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_fallbacks;
+}
+
+int64_t gemm_gelu_count() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_gelu_fused;
 }
 
 // ---- linear ----
@@ -296,6 +394,23 @@ void linear_backward(E* dinp, float* dweight, float* dbias, const E* dout, const
            stream);
   }
   if (dbias) bias_backward<E>(dbias, dout, T, OC, stream);
+}
+
+bool linear_gelu_forward(__nv_bfloat16* act, __nv_bfloat16* pre, const __nv_bfloat16* inp,
+                         const __nv_bfloat16* weight, const __nv_bfloat16* bias, int64_t T, int64_t IC,
+                         int64_t OC, cudaStream_t stream) {
+  if (T <= 0 || IC <= 0 || OC <= 0) return false;
+  // act(T, OC) = gelu(inp @ weight^T + bias), pre = the GELU input (aux, same layout as act)
+  return gemm_gelu(GeluEpilogue::forward, DType::bf16, false, true, T, OC, IC, inp, IC, weight, IC, act, OC,
+                   bias, pre, OC, stream);
+}
+
+bool linear_dgelu_backward(__nv_bfloat16* dpre, const __nv_bfloat16* dout, const __nv_bfloat16* weight,
+                           const __nv_bfloat16* pre, int64_t T, int64_t IC, int64_t OC, cudaStream_t stream) {
+  if (T <= 0 || IC <= 0 || OC <= 0) return false;
+  // dpre(T, IC) = gelu'(pre) * (dout(T, OC) @ weight(OC, IC)); cuBLASLt only reads the aux input here.
+  return gemm_gelu(GeluEpilogue::backward, DType::bf16, false, false, T, IC, OC, dout, OC, weight, IC, dpre,
+                   IC, nullptr, const_cast<__nv_bfloat16*>(pre), IC, stream);
 }
 
 #define NDT_INSTANTIATE(E)                                                                             \

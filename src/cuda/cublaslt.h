@@ -32,10 +32,24 @@ void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, i
           const void* A, int64_t lda, const void* B, int64_t ldb, float beta, void* C, int64_t ldc,
           const void* bias, cudaStream_t stream = 0);
 
+// GELU epilogues for the GPT-2 MLP, row-major like gemm, alpha = 1, beta = 0 (C is overwritten, never
+// read); A, B, C, bias and aux all of type t. cuBLASLt's GELU is the tanh approximation of ops::gelu_*.
+//   forward:  pre = op(A) @ op(B) (+ bias(N)), C = gelu(pre), aux = pre (GELU_AUX[_BIAS]);
+//   backward: C = gelu'(aux) * (op(A) @ op(B)) (DGELU; no bias gradient: ours is fp32 and accumulates).
+// aux(M, N) has row stride ldaux. Returns false, doing nothing, where the fused epilogue does not apply
+// (ldaux not a multiple of 8, aux or bias not 16-byte aligned, or no cuBLASLt algorithm): there is no
+// cublasGemmEx twin of these epilogues, so the caller runs the unfused ops instead.
+enum class GeluEpilogue : int { forward = 0, backward = 1 };
+bool gemm_gelu(GeluEpilogue kind, DType t, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+               const void* A, int64_t lda, const void* B, int64_t ldb, void* C, int64_t ldc, const void* bias,
+               void* aux, int64_t ldaux, cudaStream_t stream = 0);
+
 // The cached cuBLASLt handle of the current device.
 cublasLtHandle_t cublaslt_handle();
 // Number of gemm calls that took the cublasGemmEx fallback (tests and diagnostics).
 int64_t gemm_fallback_count();
+// Number of gemm_gelu calls that ran fused (tests and diagnostics).
+int64_t gemm_gelu_count();
 
 }  // namespace ndt::cuda
 

@@ -64,6 +64,18 @@ void linear_backward(E* dinp, float* dweight, float* dbias, const E* dout, const
 // dbias(OC) += sum over rows of dout(T, OC) (the linear dbias, exported for fused/sharded callers).
 template <typename E>
 void bias_backward(float* dbias, const E* dout, int64_t T, int64_t OC, cudaStream_t stream = 0);
+// GPT-2 MLP fusions (bf16 only): the GELU runs in the matmul's epilogue (cublaslt.h gemm_gelu). Each
+// returns false, doing nothing, where the fusion does not apply (OC resp. IC not a multiple of 8, pointers
+// not 16-byte aligned, no cuBLASLt algorithm); the caller then runs linear_* and gelu_* unfused.
+// pre(T, OC) = inp(T, IC) @ weight(OC, IC)^T + bias(OC) (bias may be null), act(T, OC) = gelu(pre).
+bool linear_gelu_forward(__nv_bfloat16* act, __nv_bfloat16* pre, const __nv_bfloat16* inp,
+                         const __nv_bfloat16* weight, const __nv_bfloat16* bias, int64_t T, int64_t IC,
+                         int64_t OC, cudaStream_t stream = 0);
+// dpre(T, IC) = gelu'(pre(T, IC)) * (dout(T, OC) @ weight(OC, IC)), overwritten (not read): the input
+// gradient of linear_backward with gelu_backward, without the (T, IC) gradient between them.
+bool linear_dgelu_backward(__nv_bfloat16* dpre, const __nv_bfloat16* dout, const __nv_bfloat16* weight,
+                           const __nv_bfloat16* pre, int64_t T, int64_t IC, int64_t OC,
+                           cudaStream_t stream = 0);
 
 // ---- norms over the last dim (one warp per row); mean/rstd (may be null in forward) saved per row ----
 template <typename E>

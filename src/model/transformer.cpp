@@ -264,8 +264,9 @@ Tensor Transformer::mlp_forward(const std::string& prefix, int64_t fl, LayerActs
   a.act = act({T, fl});
   Tensor m_partial = act({T, C});
   if (cfg_.is_gpt2()) {
-    ops::linear_forward(a.fc1, a.m_in, p(prefix + "fc.weight").compute_value(), bias(prefix + "fc.bias"));
-    ops::gelu_forward(a.act, a.fc1);
+    // fc1 = m_in @ W1^T + b1 (kept for backward), act = gelu(fc1): one matmul on CUDA bf16
+    ops::linear_gelu_forward(a.act, a.fc1, a.m_in, p(prefix + "fc.weight").compute_value(),
+                             bias(prefix + "fc.bias"));
     ops::linear_forward(m_partial, a.act, p(prefix + "proj.weight").compute_value(), nullptr);
   } else {
     const Tensor w13 = kv_ ? fused_weight(prefix, {"w1.weight", "w3.weight"}) : Tensor();
@@ -289,18 +290,18 @@ Tensor Transformer::mlp_backward(const std::string& prefix, int64_t fl, const Te
   if (Param* b = ps_->find(prefix + "proj.bias")) ops::bias_backward(b->grad, dout);
   Tensor dm = tp_->exit_backward(dout);  // (T, C)
   // Activation gradients start uninitialized: their first op overwrites (accumulate = false), the rest add.
-  Tensor dact = act({T, fl});
   Tensor dm_in = act({T, C});
   Tensor dfc1 = act({T, fl});
   if (cfg_.is_gpt2()) {
     Param& w2 = p(prefix + "proj.weight");
-    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value(), /*accumulate_dinp=*/false);
-    ops::gelu_backward(dfc1, dact, a.fc1, /*accumulate=*/false);
+    // dfc1 = gelu'(fc1) * (dm @ W2) (on CUDA bf16 without the dact in between), dW2 += dm^T @ act
+    ops::linear_dgelu_backward(dfc1, w2.grad, dm, a.act, w2.compute_value(), a.fc1);
     Param& w1 = p(prefix + "fc.weight");
     ops::linear_backward(&dm_in, w1.grad, &p(prefix + "fc.bias").grad, dfc1, a.m_in, w1.compute_value(),
                          /*accumulate_dinp=*/false);
   } else {
     Param& w2 = p(prefix + "w2.weight");
+    Tensor dact = act({T, fl});
     ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value(), /*accumulate_dinp=*/false);
     Tensor dfc3 = act({T, fl});
     ops::swiglu_backward(dfc1, dfc3, dact, a.fc1, a.fc3, /*accumulate=*/false);

@@ -417,6 +417,47 @@ void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp, bool acc
   cpu::gelu_backward(dinp.f32(), dout.f32(), inp.f32(), inp.numel());
 }
 
+void linear_gelu_forward(Tensor& act, Tensor& pre, const Tensor& inp, const Tensor& weight,
+                         const Tensor* bias) {
+  const int64_t OC = weight.size(0), IC = weight.size(1), T = rows(inp);
+  NDT_CHECK(inp.size(-1) == IC, "linear_gelu_forward: input has {} features, weight expects {}", inp.size(-1),
+            IC);
+  NDT_CHECK(act.numel() == T * OC && pre.numel() == T * OC,
+            "linear_gelu_forward: act/pre have {}/{} elements, expected {}", act.numel(), pre.numel(),
+            T * OC);
+#ifdef NDT_HAVE_CUDA
+  // bf16 only: fp32 keeps the exact-fp32 kernels (cuBLASLt's GELU is not our tanhf to the last bit).
+  if (on_cuda(inp) && inp.dtype() == DType::BF16 &&
+      cuda::linear_gelu_forward(dp<bf16>(act, "gelu act"), dp<bf16>(pre, "gelu pre"), dp<bf16>(inp, "fc inp"),
+                                dp<bf16>(weight, "fc weight"), dp_opt<bf16>(bias, "fc bias"), T, IC, OC,
+                                st()))
+    return;
+#endif
+  linear_forward(pre, inp, weight, bias);
+  gelu_forward(act, pre);
+}
+
+void linear_dgelu_backward(Tensor& dpre, Tensor& dweight, const Tensor& dout, const Tensor& act,
+                           const Tensor& weight, const Tensor& pre) {
+  const int64_t OC = weight.size(0), IC = weight.size(1), T = rows(act);
+  NDT_CHECK(dout.numel() == T * OC, "linear_dgelu_backward: dout has {} elements, expected {}", dout.numel(),
+            T * OC);
+  NDT_CHECK(pre.numel() == T * IC && dpre.numel() == T * IC,
+            "linear_dgelu_backward: pre/dpre have {}/{} elements, expected {}", pre.numel(), dpre.numel(),
+            T * IC);
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(act) && act.dtype() == DType::BF16 &&
+      cuda::linear_dgelu_backward(dp<bf16>(dpre, "dpre"), dp<bf16>(dout, "dout"), dp<bf16>(weight, "weight"),
+                                  dp<bf16>(pre, "pre"), T, IC, OC, st())) {
+    linear_backward(nullptr, dweight, nullptr, dout, act, weight);
+    return;
+  }
+#endif
+  Tensor dact = Tensor::empty(pre.shape(), pre.dtype(), pre.device());
+  linear_backward(&dact, dweight, nullptr, dout, act, weight, /*accumulate_dinp=*/false);
+  gelu_backward(dpre, dact, pre, /*accumulate=*/false);
+}
+
 void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) {
   NDT_ON_CUDA(gate, cuda::swiglu_forward<E>(dp<E>(out, "swiglu out"), dp<E>(gate, "gate"), dp<E>(up, "up"),
                                             gate.numel(), st()));

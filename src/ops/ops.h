@@ -80,6 +80,16 @@ void scatter_add_rows(Tensor& dst, const Tensor& src, const std::vector<int64_t>
 
 void gelu_forward(Tensor& out, const Tensor& inp);
 void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp, bool accumulate = true);
+// GPT-2's MLP around its GELU, fused into the matmuls on CUDA bf16 (cuBLASLt epilogues); elsewhere, and
+// where the fusion does not apply (see cuda::linear_gelu_forward), exactly the composite in the comments.
+// pre(T, OC) = inp(T, IC) @ weight(OC, IC)^T (+ bias), act = gelu(pre)   [linear_forward; gelu_forward]
+void linear_gelu_forward(Tensor& act, Tensor& pre, const Tensor& inp, const Tensor& weight,
+                         const Tensor* bias);
+// The backward of out = act @ weight^T with act = gelu(pre): dpre(T, IC) = gelu'(pre) * (dout(T, OC) @
+// weight(OC, IC)), overwritten; dweight(OC, IC) += dout^T @ act; no bias gradient (bias_backward).
+// [linear_backward(&d, dweight, nullptr, dout, act, weight, false); gelu_backward(dpre, d, pre, false)]
+void linear_dgelu_backward(Tensor& dpre, Tensor& dweight, const Tensor& dout, const Tensor& act,
+                           const Tensor& weight, const Tensor& pre);
 void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up);
 // out(T, F) = silu(gate) * up from a fused projection h13(T, 2F), rows [gate | up].
 void swiglu_forward_fused(Tensor& out, const Tensor& h13);

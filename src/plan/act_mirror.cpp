@@ -267,12 +267,15 @@ class Mirror {
     return out;
   }
 
-  // Transformer::mlp_backward; returns the norm-output gradient.
+  // Transformer::mlp_backward; returns the norm-output gradient. GPT-2: ops::linear_dgelu_backward writes
+  // dfc1 without dact in the bf16 GELU epilogue (width a multiple of 8), else dact is that op's scratch.
   Id mlp_backward(int64_t fl) {
     const ActDims& d = d_;
     const int64_t TC = d.T * d.C * d.b, TF = d.T * fl * d.b;
     const Id dm = d.sp ? t_.alloc(TC) : kNone;
-    const Id dact = t_.alloc(TF), dm_in = t_.alloc(TC), dfc1 = t_.alloc(TF);
+    const Id dact = d.gpt2 ? kNone : t_.alloc(TF);
+    const Id dm_in = t_.alloc(TC), dfc1 = t_.alloc(TF);
+    if (d.gpt2 && !(d.b == 2 && fl % 8 == 0)) t_.free(t_.alloc(TF));
     const Id dfc3 = d.gpt2 ? kNone : t_.alloc(TF);
     Id out = dm_in;
     if (d.sp) {
