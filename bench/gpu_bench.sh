@@ -35,6 +35,8 @@
 #   LLAMA_BATCH=8 LLAMA_MICRO=4 LLAMA_SEQ=2048 LLAMA_RECOMPUTE=false
 #   MOE_BATCH=8 MOE_MICRO=4 MOE_SEQ=2048 MOE_RECOMPUTE=false
 #   NDT_TORCH_MOE_GEMM=auto|grouped|loop   the PyTorch MoE experts' path (auto: grouped if its probe passes)
+#   NDTRAIN_EXTRA="native:NDT_ATTENTION=native"  more ndtrain rows, each "label:VAR=value" (an environment
+#                    variable for that run; here: the built-in attention kernel instead of cuDNN's)
 #   NDTRAIN_LAUNCH               prefix for ndtrain (e.g. "mpirun -np 1 --allow-run-as-root"; default none)
 #   DEVICE=cuda PRECISION=bf16   MODELS=tiny DEVICE=cpu PRECISION=fp32 smoke-tests the script without a GPU
 set -uo pipefail
@@ -127,6 +129,15 @@ run_model() {
   tail -n 3 "$dir/ndtrain.log"
   [ $rc -ne 0 ] && { log "$name: ndtrain FAILED (exit $rc, see $name/ndtrain.log)"; failed+=(--failed "ndtrain=exit $rc, see ndtrain.log"); }
   runs+=(--run "ndtrain=$dir/ndtrain")
+  for extra in ${NDTRAIN_EXTRA:-}; do  # "label:VAR=value": ndtrain again with that environment variable
+    local label=${extra%%:*} envset=${extra#*:}
+    log "$name: ndtrain $label ($envset)"
+    env "$envset" timeout "$TIMEOUT" $LAUNCH "$NDTRAIN" train -c "$cfg" --set "${sets[@]}" train.device="$DEVICE" \
+      train.precision="$PRECISION" "train.out_dir=$dir/ndtrain_$label" > "$dir/ndtrain_$label.log" 2>&1 ||
+      failed+=(--failed "ndtrain $label=exit $?, see ndtrain_$label.log")
+    rm -f "$dir/ndtrain_$label/model.safetensors"
+    runs+=(--run "ndtrain $label=$dir/ndtrain_$label")
+  done
 
   for mode in $TORCH_MODES; do
     log "$name: torch $mode"

@@ -338,7 +338,11 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
   Tensor datt2d = datt.view({T, heads_local_ * D});
   ops::linear_backward(&datt2d, wo.grad, nullptr, do_full, a.att.view({T, heads_local_ * D}),
                        wo.compute_value(), /*accumulate_dinp=*/false);
-  Tensor dq = act_zeros(a.q.shape()), dk = act_zeros(a.k.shape()), dv = act_zeros(a.v.shape());
+  // The plain causal form overwrites dq/dk/dv (so it may run on cuDNN); the others add into zeros.
+  const bool plain = !cp_ && cfg_.causal;
+  Tensor dq = plain ? act(a.q.shape()) : act_zeros(a.q.shape());
+  Tensor dk = plain ? act(a.k.shape()) : act_zeros(a.k.shape());
+  Tensor dv = plain ? act(a.v.shape()) : act_zeros(a.v.shape());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   phase_mark(a.q.device(), "attention core");
   if (cp_)
@@ -347,7 +351,8 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
     ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, mb.cu_seqlens,
                             zero_positions(T), zero_positions(T), scale);
   else
-    ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, scale);
+    ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, scale,
+                            /*accumulate=*/false);
   phase_mark(a.q.device(), "other");
   if (!cfg_.is_gpt2()) {
     ops::rope_backward(dq, mb.positions, theta);

@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "cuda/cuda_ops.h"
+#include "cuda/cudnn_attention.h"
 #include "cuda/flash_attention.h"
 #include "cuda/runtime.h"
 #include "cuda/train_kernels.h"
@@ -246,10 +247,36 @@ void rope_backward(Tensor& dx, const Tensor& pos, float theta) {
   dx.copy_from(tmp);
 }
 
+// cuDNN's fused attention takes the training hot path: bf16, host-side cu_seqlens of equal-length
+// segments covering every row. Returns the segment count and length, or {0, 0}.
+[[maybe_unused]] static std::pair<int64_t, int64_t> cudnn_segments(const Tensor& q, const Tensor& cu_seqlens) {
+#ifdef NDT_HAVE_CUDA
+  if (!on_cuda(q) || q.dtype() != DType::BF16 || cu_seqlens.device() != Device::CPU ||
+      !cuda::cudnn_attention_enabled())
+    return {0, 0};
+  const int64_t nseq = cu_seqlens.numel() - 1;
+  const int32_t* cu = cu_seqlens.i32();
+  if (nseq <= 0 || cu[0] != 0 || cu[nseq] != q.size(0)) return {0, 0};
+  const int64_t S = cu[1];
+  for (int64_t s = 1; s <= nseq; ++s)
+    if (cu[s] - cu[s - 1] != S) return {0, 0};
+  return {nseq, S};
+#else
+  (void)q, (void)cu_seqlens;
+  return {0, 0};
+#endif
+}
+
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& cu_seqlens, float scale) {
   int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1);
   NDT_CHECK(H % KV == 0, "attention: {} query heads not divisible by {} kv heads", H, KV);
+#ifdef NDT_HAVE_CUDA
+  if (auto [B, S] = cudnn_segments(q, cu_seqlens); B > 0)
+    if (cuda::cudnn_attention_forward(dp<bf16>(out, "att out"), dp<float>(lse, "att lse"), dp<bf16>(q, "q"),
+                                      dp<bf16>(k, "k"), dp<bf16>(v, "v"), B, S, H, KV, D, scale, st()))
+      return;
+#endif
   NDT_ON_CUDA(q, Tensor kc; const int32_t* cu = dev_meta<int32_t>(cu_seqlens, kc);
               cuda::attention_forward<E>(dp<E>(out, "att out"), dp<float>(lse, "att lse"), dp<E>(q, "q"),
                                          dp<E>(k, "k"), dp<E>(v, "v"), cu, cu, nullptr, nullptr,
@@ -261,8 +288,21 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& 
 
 void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                        const Tensor& cu_seqlens, float scale) {
+                        const Tensor& cu_seqlens, float scale, bool accumulate) {
   int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1);
+  if (!accumulate) {
+#ifdef NDT_HAVE_CUDA
+    if (auto [B, S] = cudnn_segments(q, cu_seqlens); B > 0)
+      if (cuda::cudnn_attention_backward(dp<bf16>(dq, "dq"), dp<bf16>(dk, "dk"), dp<bf16>(dv, "dv"),
+                                         dp<bf16>(dout, "att dout"), dp<bf16>(q, "q"), dp<bf16>(k, "k"),
+                                         dp<bf16>(v, "v"), dp<bf16>(out, "att out"), dp<float>(lse, "att lse"),
+                                         B, S, H, KV, D, scale, st()))
+        return;
+#endif
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+  }
   NDT_ON_CUDA(q, Tensor kc; const int32_t* cu = dev_meta<int32_t>(cu_seqlens, kc);
               cuda::attention_backward<E>(
                   dp<E>(dq, "dq"), dp<E>(dk, "dk"), dp<E>(dv, "dv"), dp<E>(dout, "att dout"), dp<E>(q, "q"),

@@ -46,12 +46,14 @@ void rope_backward(Tensor& dx, const Tensor& pos, float theta);
 // rotated by positions pos(T), and v(T, KV, D) (decode steps: one matmul instead of three).
 void qkv_split_rope(Tensor& q, Tensor& k, Tensor& v, const Tensor& qkv, const Tensor& pos, float theta);
 
-// q(T, H, D), k/v(T, KV, D), cu_seqlens(nseq + 1); out(T, H, D), lse(T, H).
+// q(T, H, D), k/v(T, KV, D), cu_seqlens(nseq + 1); out(T, H, D), lse(T, H). Backward adds into dq/dk/dv,
+// or overwrites them with accumulate = false (which lets bf16 CUDA runs with equal-length segments and a
+// host cu_seqlens use cuDNN's fused attention, cuda/cudnn_attention.h; the forward uses it likewise).
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& cu_seqlens, float scale);
 void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                        const Tensor& cu_seqlens, float scale);
+                        const Tensor& cu_seqlens, float scale, bool accumulate = true);
 // General form (context parallelism, contract in cpu_ops.h): queries q(Tq, H, D) against keys
 // k/v(Tk, KV, D) of the same sequences, cu_q/cu_k (nseq + 1), visible iff pos_k <= pos_q.
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
