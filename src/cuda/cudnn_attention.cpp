@@ -546,7 +546,9 @@ bool cudnn_attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat1
     lse_rows_to_bhs(packed, lse, B, S, H, stream);
     stats = packed;
   }
-  NDT_CUDA_CHECK(cudaMemsetAsync(acc, 0, static_cast<size_t>(B * H * S * D * 4), stream));
+  // cuDNN 9.6 and later initialise the dQ accumulator themselves (cudnn-frontend stopped clearing it then).
+  if (api().version() < 90600)
+    NDT_CUDA_CHECK(cudaMemsetAsync(acc, 0, static_cast<size_t>(B * H * S * D * 4), stream));
   float s = scale, neg = -1e30f, one = 1.0f;
   try {
     execute(h, *p, stream, {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSum, kDqAcc, kScale, kNegInf, kOne},
