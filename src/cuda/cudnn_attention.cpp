@@ -10,6 +10,7 @@
 // first one an engine finalizes.
 #include "cuda/cudnn_attention.h"
 
+#ifdef NDT_HAVE_CUDNN_HEADERS
 #include <cudnn_graph.h>
 #include <dlfcn.h>
 #include <fmt/format.h>
@@ -563,3 +564,22 @@ bool cudnn_attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat1
 }
 
 }  // namespace ndt::cuda
+#else  // built without cuDNN's headers: the built-in kernels serve every call
+
+namespace ndt::cuda {
+bool cudnn_attention_enabled() { return false; }
+std::string cudnn_attention_status() { return "built without cuDNN headers (cudnn_graph.h)"; }
+void set_cudnn_attention_enabled(bool) {}
+bool cudnn_attention_forward(__nv_bfloat16*, float*, const __nv_bfloat16*, const __nv_bfloat16*,
+                             const __nv_bfloat16*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                             cudaStream_t) {
+  return false;
+}
+bool cudnn_attention_backward(__nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, const __nv_bfloat16*,
+                              const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
+                              const __nv_bfloat16*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                              float, cudaStream_t) {
+  return false;
+}
+}  // namespace ndt::cuda
+#endif
