@@ -2,6 +2,8 @@
 # Layouts across the GPUs of one host (issues 13, 14, 17, 20), one GPU per rank over NCCL, bf16, the
 # embedded toy-grammar task (byte ids), nothing downloaded. Each run's median step_seconds over steps >= 4
 # (metrics.jsonl); layouts that need more GPUs than the host has are skipped. Sections (SECTIONS="..."):
+#   cp     the 1B Llama on 8192-token sequences over 1, 2 and 4 GPUs of context parallelism (ring and
+#          all-gather attention); strong scaling: "of GPUs x 1 GPU" is tokens/s over GPUs x one GPU's
 #   llama  configs/llama-1b.yaml, 8 x 2048 tokens per model replica: 1 GPU, tp2 + SP, pp2 (8 microbatches
 #          of 1, 1F1B), dp2, and on 4 GPUs tp2 + SP x dp2, pp2 x dp2, dp4; efficiency = tokens/s against
 #          (GPUs x the 1-GPU run); the pipeline rows add the measured and theoretical bubble
@@ -81,6 +83,20 @@ if [[ " $sections " == *" llama "* ]]; then
   run llama_pp2_dp2 4 "${L[@]}" parallel.pp=2 parallel.dp=2 train.micro_batch=1 train.global_batch=16 &&
     row pp2_dp2_m8 4 32768
   run llama_dp4 4 "${L[@]}" parallel.dp=4 train.micro_batch=4 train.global_batch=32 && row dp4 4 65536
+fi
+
+if [[ " $sections " == *" cp "* ]]; then
+  # Long sequences: the 1B model on 8192-token sequences, one per step per model replica, over 1, 2, 4
+  # GPUs of context parallelism (ring attention; each GPU holds 8192 / cp tokens of every layer).
+  header "Llama 1B, 8192-token sequences (1 per step), context parallel, bf16"
+  C=(--config "$src/configs/llama-1b.yaml" --set data.task=lm data.tokenizer=byte train.device=cuda
+     train.precision=bf16 data.seq_len=8192 train.micro_batch=1 train.global_batch=1 train.steps=12
+     train.warmup_steps=5 train.log_every=1 train.eval_every=0 train.eval_samples=2 train.collective_timeout_s=60)
+  base=0
+  run llama8k_1gpu 1 "${C[@]}" && row 1gpu_8k 1 8192 && base=$(python3 -c "print(8192 / $step)")
+  run llama8k_cp2 2 "${C[@]}" parallel.cp=2 && row cp2_8k 2 8192
+  run llama8k_cp4 4 "${C[@]}" parallel.cp=4 && row cp4_8k 4 8192
+  run llama8k_cp4_ag 4 "${C[@]}" parallel.cp=4 parallel.cp_attention=allgather && row cp4_allgather_8k 4 8192
 fi
 
 if [[ " $sections " == *" moe "* ]]; then
