@@ -90,7 +90,8 @@ if [[ " $sections " == *" cp "* ]]; then
   # GPUs of context parallelism (ring attention; each GPU holds 8192 / cp tokens of every layer).
   header "Llama 1B, 8192-token sequences (1 per step), context parallel, bf16"
   C=(--config "$src/configs/llama-1b.yaml" --set data.task=lm data.tokenizer=byte train.device=cuda
-     train.precision=bf16 data.seq_len=8192 model.max_seq_len=8192 train.micro_batch=1 train.global_batch=1 train.steps=12
+     train.precision=bf16 parallel.tp=1 parallel.dp=1 parallel.pp=1 parallel.sequence_parallel=false
+     parallel.zero1=false data.seq_len=8192 model.max_seq_len=8192 train.micro_batch=1 train.global_batch=1 train.steps=12
      train.warmup_steps=5 train.log_every=1 train.eval_every=0 train.eval_samples=2 train.collective_timeout_s=60)
   base=0
   run llama8k_1gpu 1 "${C[@]}" && row 1gpu_8k 1 8192 && base=$(python3 -c "print(8192 / $step)")
