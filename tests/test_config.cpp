@@ -253,6 +253,8 @@ TEST(ConfigValidate, CrossFieldChecksNameKeys) {
        "96"},
       {{"model.head_dim=5"}, "the head dim 5 (model.head_dim) must be even for style llama"},
       {{"model.style=gpt2", "model.qk_norm=true"}, "model.qk_norm is for style llama"},
+      {{"train.attention=cudnn"}, "train.attention cudnn needs train.device cuda"},
+      {{"train.attention=flash"}, "train.attention"},
   };
   for (const auto& c : cases) {
     auto r = parse_config_string("", c.overrides);

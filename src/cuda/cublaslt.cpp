@@ -204,6 +204,27 @@ void fallback_gemm(DeviceState& s, DType ab, DType c, const ColMajor& p, float a
   ++g_fallbacks;
 }
 
+PlanKey plan_key(int dev, DType ab, DType c, const ColMajor& p, Epi epi, int aa, int ab_, int ac,
+                 int aaux = 0, int64_t ldaux = 0) {
+  return PlanKey{dev,
+                 static_cast<int>(ab),
+                 static_cast<int>(c),
+                 p.ta,
+                 p.tb,
+                 p.m,
+                 p.n,
+                 p.k,
+                 p.lda,
+                 p.ldb,
+                 p.ldc,
+                 static_cast<int>(epi),
+                 aa,
+                 ab_,
+                 ac,
+                 aaux,
+                 ldaux};
+}
+
 // The plan to run a problem on, with g_mutex held: its exact plan, made on first use; but before that
 // exists, its size class's plan set to this problem's sizes when `run` succeeds on it (then nullptr: done).
 template <typename Run, typename Make>
@@ -246,23 +267,7 @@ void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, i
   DeviceState& s = device_state(dev);
   const int aa = alignment(p.A), ab_ = alignment(p.B), ac = alignment(C);
   const Epi epi = epilogue_bias ? Epi::bias : Epi::none;
-  const PlanKey key{dev,
-                    static_cast<int>(ab),
-                    static_cast<int>(c),
-                    p.ta,
-                    p.tb,
-                    p.m,
-                    p.n,
-                    p.k,
-                    p.lda,
-                    p.ldb,
-                    p.ldc,
-                    static_cast<int>(epi),
-                    aa,
-                    ab_,
-                    ac,
-                    0,
-                    0};
+  const PlanKey key = plan_key(dev, ab, c, p, epi, aa, ab_, ac);
   const auto run = [&](Plan& pl) {
     if (epilogue_bias)
       NDT_CUBLAS_CHECK(
@@ -297,23 +302,7 @@ bool gemm_gelu(GeluEpilogue kind, DType t, bool trans_a, bool trans_b, int64_t M
   const int dev = current_device();
   DeviceState& s = device_state(dev);
   const int aa = alignment(p.A), ab_ = alignment(p.B), ac = alignment(C);
-  const PlanKey key{dev,
-                    static_cast<int>(t),
-                    static_cast<int>(t),
-                    p.ta,
-                    p.tb,
-                    p.m,
-                    p.n,
-                    p.k,
-                    p.lda,
-                    p.ldb,
-                    p.ldc,
-                    static_cast<int>(epi),
-                    aa,
-                    ab_,
-                    ac,
-                    alignment(aux),
-                    ldaux};
+  const PlanKey key = plan_key(dev, t, t, p, epi, aa, ab_, ac, alignment(aux), ldaux);
   const float alpha = 1.0f, beta = 0.0f;
   const auto run = [&](Plan& pl) {
     NDT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(pl.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,

@@ -165,6 +165,7 @@ const std::vector<KeyDef>& schema() {
       str_key("train.device", {"cpu", "cuda"}, t(&T::device)),
       str_key("train.device_comm", {"nccl", "mpi"}, t(&T::device_comm)),
       str_key("train.precision", {"auto", "fp32", "bf16"}, t(&T::precision)),
+      str_key("train.attention", {"auto", "cudnn", "native"}, t(&T::attention)),
       bool_key("train.recompute", t(&T::recompute)),
       bool_key("train.tensorboard", t(&T::tensorboard)),
       str_key("train.nonfinite", {"stop", "skip"}, t(&T::nonfinite)),
@@ -783,6 +784,10 @@ Status validate_config(const Config& c) {
     return errf("train.precision must be auto, fp32 or bf16, got '{}'", t.precision);
   if (t.device == "cpu" && t.precision == "bf16")
     return errf("train.precision bf16 needs train.device cuda (the CPU engine computes in fp32)");
+  if (t.attention != "auto" && t.attention != "cudnn" && t.attention != "native")
+    return errf("train.attention must be auto, cudnn or native, got '{}'", t.attention);
+  if (t.device == "cpu" && t.attention == "cudnn")
+    return errf("train.attention cudnn needs train.device cuda (cuDNN's attention is a GPU kernel)");
   if (t.device == "cuda" && m.head_dim() != 64 && m.head_dim() != 128) {
     if (m.head_dim_override > 0)
       return errf(

@@ -115,8 +115,12 @@ struct TrainConfig {
   // memory: slow; lets several ranks share one GPU, for checking layouts and measuring memory).
   std::string device_comm = "nccl";
   std::string precision = "auto";  // "auto" (bf16 on cuda, fp32 on cpu) | "fp32" | "bf16"
-  bool recompute = false;          // recompute each layer's forward during backward (less memory)
-  bool tensorboard = false;        // also write metrics as TensorBoard events (<out_dir>/tensorboard)
+  // Attention kernels on cuda (docs/gpu.md): "auto" (cuDNN's fused attention where it applies and loads,
+  // else the built-in kernels), "cudnn" (the same, but a run without cuDNN is an error), "native" (the
+  // built-in kernels only).
+  std::string attention = "auto";
+  bool recompute = false;    // recompute each layer's forward during backward (less memory)
+  bool tensorboard = false;  // also write metrics as TensorBoard events (<out_dir>/tensorboard)
   // A step whose loss or reduced gradients hold NaN/Inf (docs/reliability.md): "stop" ends the run with an
   // error on every rank; "skip" leaves weights and optimizer state as they are and goes on, up to
   // max_consecutive_skips skipped steps in a row (then an error).

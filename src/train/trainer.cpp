@@ -16,6 +16,7 @@
 #include "train/schedule.h"
 
 #ifdef NDT_HAVE_CUDA
+#include "cuda/cudnn_attention.h"
 #include "cuda/runtime.h"
 #endif
 
@@ -89,6 +90,13 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
 #ifdef NDT_HAVE_CUDA
     // Initialization ran on the host (layout- and device-independent); the store then moves as a whole.
     cuda::select_device(c_.world->rank());
+    if (cfg_.train.attention == "native") cuda::set_cudnn_attention_enabled(false);
+    if (cfg_.train.attention == "cudnn") {  // agreed over the world: every rank stops, or none
+      int32_t ok = cuda::cudnn_attention_enabled() ? 1 : 0;
+      c_.world->all_reduce(&ok, 1, DType::I32, ReduceOp::Min);
+      NDT_CHECK(ok == 1, "train.attention is cudnn but cuDNN's attention is not available on every rank ({})",
+                cuda::cudnn_attention_status());
+    }
     engine_->params().to_device(Device::CUDA,
                                 cfg_.train.effective_precision() == "bf16" ? DType::BF16 : DType::F32);
 #else

@@ -326,22 +326,7 @@ TYPED_TEST(CudaAttention, LongSequences) {
 }
 
 // ---- timings (device runs only: --gtest_also_run_disabled_tests --gtest_filter='CudaAttentionBench*') ----
-template <typename F>
-double time_ms(F&& f, int iters = 20) {
-  for (int i = 0; i < 3; ++i) f();
-  cudaEvent_t a, b;
-  NDT_CUDA_CHECK(cudaEventCreate(&a));
-  NDT_CUDA_CHECK(cudaEventCreate(&b));
-  NDT_CUDA_CHECK(cudaEventRecord(a));
-  for (int i = 0; i < iters; ++i) f();
-  NDT_CUDA_CHECK(cudaEventRecord(b));
-  NDT_CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  NDT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms / iters;
-}
+using ndt::testing::time_ms;
 
 // GPT-2 124M attention: 16 sequences x 1024 tokens packed, causal, bf16. FLOPs: forward 4*S*S*D*H/2 per
 // sequence (causal half), backward 2.5x forward.

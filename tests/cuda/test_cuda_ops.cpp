@@ -587,22 +587,7 @@ TEST(CudaOpsOptim, AdamwSumSquaresCast) {
 }
 
 // ---- timings (device runs only: --gtest_also_run_disabled_tests --gtest_filter='CudaKernelBench*') ----
-template <typename F>
-double time_ms(F&& f, int iters = 20) {
-  for (int i = 0; i < 3; ++i) f();
-  cudaEvent_t a, b;
-  NDT_CUDA_CHECK(cudaEventCreate(&a));
-  NDT_CUDA_CHECK(cudaEventCreate(&b));
-  NDT_CUDA_CHECK(cudaEventRecord(a));
-  for (int i = 0; i < iters; ++i) f();
-  NDT_CUDA_CHECK(cudaEventRecord(b));
-  NDT_CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  NDT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms / iters;
-}
+using ndt::testing::time_ms;
 
 TEST(CudaKernelBench, DISABLED_Timings) {
   NDT_REQUIRE_GPU();

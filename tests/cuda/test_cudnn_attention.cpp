@@ -188,21 +188,7 @@ TEST(CudnnAttention, OpsDispatchAgreesWithBuiltInKernel) {
 }
 
 // ---- timings (device runs only: --gtest_also_run_disabled_tests --gtest_filter='CudnnAttentionBench*') ----
-double time_ms(const std::function<void()>& f, int iters = 20) {
-  for (int i = 0; i < 3; ++i) f();
-  cudaEvent_t a, b;
-  NDT_CUDA_CHECK(cudaEventCreate(&a));
-  NDT_CUDA_CHECK(cudaEventCreate(&b));
-  NDT_CUDA_CHECK(cudaEventRecord(a));
-  for (int i = 0; i < iters; ++i) f();
-  NDT_CUDA_CHECK(cudaEventRecord(b));
-  NDT_CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  NDT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms / iters;
-}
+using ndt::testing::time_ms;
 
 void bench(int64_t B, int64_t S, int64_t H, int64_t KV, int64_t D) {
   const int64_t T = B * S;
