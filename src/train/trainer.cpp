@@ -412,10 +412,14 @@ EvalStats Trainer::evaluate() {
     if (auto em = companion_->exact_match(fn)) std::tie(ev.exact_match, ev.problems) = *em;
   }
   if (val_ && !companion_) {  // (a second module's inputs exist only for its own problems and batches)
-    ev.val_loss = validation_loss([this](const Microbatch& mb) { return engine_->loss_sum(mb); }, *val_,
-                                  cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
-                                  std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size()), *c_.dp,
-                                  layout, lockstep());
+    // Forward passes of at most a training microbatch: a whole per-rank batch (GPT-2's preset: 32 x 16
+    // rows of 1024 tokens) would not fit where training does.
+    const int64_t per_rank = std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size());
+    ev.val_loss =
+        validation_loss([this](const Microbatch& mb) { return engine_->loss_sum(mb); }, *val_,
+                        cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
+                        cfg_.train.micro_batch > 0 ? std::min(cfg_.train.micro_batch, per_rank) : per_rank,
+                        *c_.dp, layout, lockstep());
   }
   evals_.push_back(ev);
   return ev;
