@@ -26,7 +26,7 @@ Tensor as_f32(const Tensor& x) {
 // Side streams the experts' matmuls spread over on a GPU: one expert's few hundred rows leave most of the
 // multiprocessors idle, several experts at once do not. NDT_MOE_STREAMS overrides the 4 (1: one stream),
 // for measurements (docs/performance.md).
-int expert_streams() {
+[[maybe_unused]] int expert_streams() {  // (unused in a CPU-only build)
   static const int n = [] {
     const char* v = std::getenv("NDT_MOE_STREAMS");
     const int k = v && *v ? std::atoi(v) : 4;
@@ -44,8 +44,8 @@ void for_each_expert(const std::vector<int64_t>& counts, Device dev,
   std::vector<int64_t> first(counts.size(), 0);
   for (int64_t e = 1; e < El; ++e)
     first[static_cast<size_t>(e)] = first[static_cast<size_t>(e - 1)] + counts[static_cast<size_t>(e - 1)];
-  const int64_t busy = std::count_if(counts.begin(), counts.end(), [](int64_t n) { return n > 0; });
 #ifdef NDT_HAVE_CUDA
+  const int64_t busy = std::count_if(counts.begin(), counts.end(), [](int64_t n) { return n > 0; });
   const int ns = dev == Device::CUDA ? static_cast<int>(std::min<int64_t>(expert_streams(), busy)) : 0;
 #else
   const int ns = 0;
