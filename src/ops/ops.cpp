@@ -247,10 +247,10 @@ void rope_backward(Tensor& dx, const Tensor& pos, float theta) {
   dx.copy_from(tmp);
 }
 
+#ifdef NDT_HAVE_CUDA
 // cuDNN's fused attention takes the training hot path: bf16, host-side cu_seqlens of equal-length
 // segments covering every row. Returns the segment count and length, or {0, 0}.
-[[maybe_unused]] static std::pair<int64_t, int64_t> cudnn_segments(const Tensor& q, const Tensor& cu_seqlens) {
-#ifdef NDT_HAVE_CUDA
+static std::pair<int64_t, int64_t> cudnn_segments(const Tensor& q, const Tensor& cu_seqlens) {
   if (!on_cuda(q) || q.dtype() != DType::BF16 || cu_seqlens.device() != Device::CPU ||
       !cuda::cudnn_attention_enabled())
     return {0, 0};
@@ -261,11 +261,8 @@ void rope_backward(Tensor& dx, const Tensor& pos, float theta) {
   for (int64_t s = 1; s <= nseq; ++s)
     if (cu[s] - cu[s - 1] != S) return {0, 0};
   return {nseq, S};
-#else
-  (void)q, (void)cu_seqlens;
-  return {0, 0};
-#endif
 }
+#endif
 
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& cu_seqlens, float scale) {
@@ -295,8 +292,8 @@ void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, 
     if (auto [B, S] = cudnn_segments(q, cu_seqlens); B > 0)
       if (cuda::cudnn_attention_backward(dp<bf16>(dq, "dq"), dp<bf16>(dk, "dk"), dp<bf16>(dv, "dv"),
                                          dp<bf16>(dout, "att dout"), dp<bf16>(q, "q"), dp<bf16>(k, "k"),
-                                         dp<bf16>(v, "v"), dp<bf16>(out, "att out"), dp<float>(lse, "att lse"),
-                                         B, S, H, KV, D, scale, st()))
+                                         dp<bf16>(v, "v"), dp<bf16>(out, "att out"),
+                                         dp<float>(lse, "att lse"), B, S, H, KV, D, scale, st()))
         return;
 #endif
     dq.zero_();

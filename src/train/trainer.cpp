@@ -142,8 +142,7 @@ std::vector<Microbatch> Trainer::local_microbatches(int64_t step) const {
 
 std::vector<Microbatch> Trainer::microbatches(const std::vector<Sample>& samples, int64_t group) const {
   const int64_t n = static_cast<int64_t>(samples.size());
-  const int64_t per_rank = cfg_.train.global_batch / c_.dp->size();
-  const int64_t mbs = cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : per_rank;
+  const int64_t mbs = rows_per_microbatch();
   NDT_CHECK(n % group == 0, "{} samples do not form groups of {}", n, group);
   std::vector<Microbatch> out;
   if (!cfg_.data.packing) {  // every sample padded to seq_len, micro_batch samples per microbatch
@@ -386,10 +385,9 @@ std::string Trainer::check_nonfinite(double local_loss, double loss, double grad
 }
 
 std::vector<SampleScores> Trainer::score(const std::vector<Sample>& samples, int64_t k) {
-  const int64_t per_rank = cfg_.train.global_batch / c_.dp->size();
   if (companion_) companion_->prepare_scoring(samples);
-  return score_samples(*engine_, samples, k, pack_layout_(), tok_.pad_id(), *c_.dp,
-                       cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : per_rank, lockstep());
+  return score_samples(*engine_, samples, k, pack_layout_(), tok_.pad_id(), *c_.dp, rows_per_microbatch(),
+                       lockstep());
 }
 
 EvalStats Trainer::evaluate() {
@@ -412,14 +410,11 @@ EvalStats Trainer::evaluate() {
     if (auto em = companion_->exact_match(fn)) std::tie(ev.exact_match, ev.problems) = *em;
   }
   if (val_ && !companion_) {  // (a second module's inputs exist only for its own problems and batches)
-    // Forward passes of at most a training microbatch: a whole per-rank batch (GPT-2's preset: 32 x 16
-    // rows of 1024 tokens) would not fit where training does.
-    const int64_t per_rank = std::max<int64_t>(1, cfg_.train.global_batch / c_.dp->size());
-    ev.val_loss =
-        validation_loss([this](const Microbatch& mb) { return engine_->loss_sum(mb); }, *val_,
-                        cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
-                        cfg_.train.micro_batch > 0 ? std::min(cfg_.train.micro_batch, per_rank) : per_rank,
-                        *c_.dp, layout, lockstep());
+    // Forward passes of a training microbatch: a whole per-rank batch (GPT-2's preset: 32 x 16 rows of
+    // 1024 tokens) would not fit where training does.
+    ev.val_loss = validation_loss([this](const Microbatch& mb) { return engine_->loss_sum(mb); }, *val_,
+                                  cfg_.train.eval_samples, cfg_.data.seq_len, tok_.pad_id(),
+                                  rows_per_microbatch(), *c_.dp, layout, lockstep());
   }
   evals_.push_back(ev);
   return ev;

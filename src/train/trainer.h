@@ -135,6 +135,11 @@ class Trainer {
                     std::chrono::steady_clock::time_point t0);
   // Padding rules of this layout's packed microbatches (2·cp per sequence, tp·2·cp per stream under SP).
   PackLayout pack_layout_() const;
+  // Rows per forward: train.micro_batch, or this rank's whole share of the batch when it is 0 (training
+  // microbatches, scoring, validation).
+  int64_t rows_per_microbatch() const {
+    return cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : cfg_.train.global_batch / c_.dp->size();
+  }
   // Whether DP replicas must make the same model calls (expert parallelism exchanges tokens between them).
   bool lockstep() const { return c_.ep_hooks != nullptr; }
   void report_pipeline(bool logger);
