@@ -5,6 +5,9 @@
 # number present. Per run: median step_seconds over the steps after WARMUP (metrics.jsonl), tokens/s, and
 # the efficiency against the 1-GPU run: tokens/s(n) / (n * tokens/s(1)).
 # Usage: bench/dp_scaling.sh NDTRAIN OUTDIR        (STEPS=30 WARMUP=10 GPUS="1 2 4" by default)
+# KERNEL_TRACE=20:22 also records those steps' kernels (`ndtrain train --kernel-trace`): per run,
+# OUTDIR/<run>.kernels.txt (rank 0's table: exposed communication, per-kernel times) and
+# OUTDIR/<run>/kernel_trace/kernels.rank*.json (Chrome traces).
 set -uo pipefail
 ndtrain=${1:?usage: dp_scaling.sh NDTRAIN OUTDIR}
 out=${2:?usage: dp_scaling.sh NDTRAIN OUTDIR}
@@ -31,7 +34,9 @@ for zero1 in false true; do
   for n in $gpus; do
     [[ $zero1 == true && $n == 1 ]] && continue
     dir=$out/dp${n}_zero1_$zero1
-    timeout 180 mpirun --allow-run-as-root -np "$n" "$ndtrain" train --config "$src/configs/gpt2-124m.yaml" \
+    trace=()
+    [[ -n ${KERNEL_TRACE:-} ]] && trace=(--kernel-trace "$dir/kernel_trace" --kernel-trace-steps "$KERNEL_TRACE")
+    timeout 180 mpirun --allow-run-as-root -np "$n" "$ndtrain" train "${trace[@]}" --config "$src/configs/gpt2-124m.yaml" \
       --set data.task=lm data.tokenizer=byte train.device=cuda train.precision=bf16 parallel.dp="$n" \
       parallel.zero1=$zero1 train.micro_batch=16 train.global_batch=$((16 * n)) train.steps="$steps" \
       train.warmup_steps=5 train.log_every=10 train.eval_every=0 "train.out_dir=$dir" >"$dir.log" 2>&1
@@ -39,6 +44,7 @@ for zero1 in false true; do
     med=nan
     [[ $rc == 0 && -f $dir/metrics.jsonl ]] && med=$(median_step "$dir/metrics.jsonl")
     rm -f "$dir/model.safetensors"
+    [[ -f $dir/kernel_trace/kernels.rank0.txt ]] && cp "$dir/kernel_trace/kernels.rank0.txt" "$dir.kernels.txt"
     if [[ $med == nan ]]; then
       echo "| $n | $zero1 | FAILED (exit $rc, $(basename "$dir").log) | | |" >>"$out/dp_scaling.md"
       tail -5 "$dir.log"

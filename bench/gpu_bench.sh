@@ -36,7 +36,10 @@
 #   MOE_BATCH=8 MOE_MICRO=4 MOE_SEQ=2048 MOE_RECOMPUTE=false
 #   NDT_TORCH_MOE_GEMM=auto|grouped|loop   the PyTorch MoE experts' path (auto: grouped if its probe passes)
 #   NDTRAIN_EXTRA="native:NDT_ATTENTION=native"  more ndtrain rows, each "label:VAR=value" (an environment
-#                    variable for that run; here: the built-in attention kernel instead of cuDNN's)
+#                    variable for that run; here: the built-in attention kernel instead of cuDNN's);
+#                    "label:NDTRAIN=path" runs another ndtrain binary instead (a before/after pair)
+#   KERNEL_TRACE=20:22           the ndtrain row also writes a CUPTI kernel trace of those steps
+#                    (MODEL/kernel_trace/kernels.rank0.{json,txt}; `ndtrain train --kernel-trace`)
 #   NDTRAIN_LAUNCH               prefix for ndtrain (e.g. "mpirun -np 1 --allow-run-as-root"; default none)
 #   DEVICE=cuda PRECISION=bf16   MODELS=tiny DEVICE=cpu PRECISION=fp32 smoke-tests the script without a GPU
 set -uo pipefail
@@ -122,17 +125,20 @@ run_model() {
 
   local failed=() runs=()
   log "$name: ndtrain train ($DEVICE, $PRECISION)"
-  timeout "$TIMEOUT" $LAUNCH "$NDTRAIN" train -c "$cfg" --set "${sets[@]}" train.device="$DEVICE" train.precision="$PRECISION" \
-    "train.out_dir=$dir/ndtrain" > "$dir/ndtrain.log" 2>&1
+  local trace=()
+  [ -n "${KERNEL_TRACE:-}" ] && trace=(--kernel-trace "$dir/kernel_trace" --kernel-trace-steps "$KERNEL_TRACE")
+  timeout "$TIMEOUT" $LAUNCH "$NDTRAIN" train -c "$cfg" "${trace[@]}" --set "${sets[@]}" train.device="$DEVICE" \
+    train.precision="$PRECISION" "train.out_dir=$dir/ndtrain" > "$dir/ndtrain.log" 2>&1
   local rc=$?
   rm -f "$dir/ndtrain/model.safetensors"  # final weights: large and not needed
   tail -n 3 "$dir/ndtrain.log"
   [ $rc -ne 0 ] && { log "$name: ndtrain FAILED (exit $rc, see $name/ndtrain.log)"; failed+=(--failed "ndtrain=exit $rc, see ndtrain.log"); }
   runs+=(--run "ndtrain=$dir/ndtrain")
   for extra in ${NDTRAIN_EXTRA:-}; do  # "label:VAR=value": ndtrain again with that environment variable
-    local label=${extra%%:*} envset=${extra#*:}
+    local label=${extra%%:*} envset=${extra#*:} bin=$NDTRAIN
+    [ "${envset%%=*}" = NDTRAIN ] && bin=$(readlink -f "${envset#NDTRAIN=}")  # another binary, same settings
     log "$name: ndtrain $label ($envset)"
-    env "$envset" timeout "$TIMEOUT" $LAUNCH "$NDTRAIN" train -c "$cfg" --set "${sets[@]}" train.device="$DEVICE" \
+    env "$envset" timeout "$TIMEOUT" $LAUNCH "$bin" train -c "$cfg" --set "${sets[@]}" train.device="$DEVICE" \
       train.precision="$PRECISION" "train.out_dir=$dir/ndtrain_$label" > "$dir/ndtrain_$label.log" 2>&1 ||
       failed+=(--failed "ndtrain $label=exit $?, see ndtrain_$label.log")
     rm -f "$dir/ndtrain_$label/model.safetensors"

@@ -1,6 +1,7 @@
 #include <filesystem>
 
 #include "apps/commands.h"
+#include "apps/kernel_trace_window.h"
 #include "apps/setup.h"
 #include "dist/watchdog.h"
 #include "mimo/mimo.h"
@@ -34,7 +35,17 @@ Runner add_train(CLI::App& app) {
       "this run, or step 0");
   cmd->add_option("--trace", *trace,
                   "Write a Chrome trace (JSON) of steps 1-3: forward/backward/send/recv per rank");
-  return [config, sets, trace, resume, init_hf, init_path = init](Communicator& world) {
+  auto kernel_trace = std::make_shared<std::string>();
+  auto kernel_trace_steps = std::make_shared<std::string>("2:4");
+  cmd->add_option(
+      "--kernel-trace", *kernel_trace,
+      "GPU runs: record every kernel of a few steps (CUPTI) into DIR/kernels.rank<r>.json (Chrome "
+      "trace) and .txt (per-kernel table)");
+  cmd->add_option("--kernel-trace-steps", *kernel_trace_steps,
+                  "Steps the kernel trace covers, FIRST:LAST (0-based, inclusive)")
+      ->capture_default_str();
+  return [config, sets, trace, resume, init_hf, init_path = init, kernel_trace,
+          kernel_trace_steps](Communicator& world) {
     RunSetup s = load_run(world, *config, *sets);
     // The output directory must take files before any work starts (rank 0 writes there); every rank
     // reports the same error rather than rank 0 alone failing at the first save.
@@ -68,15 +79,19 @@ Runner add_train(CLI::App& app) {
     if (s.cfg.posttrain.algo != "sft") {
       NDT_CHECK(!encoder, "post-training (posttrain.algo {}) does not take an image encoder yet",
                 s.cfg.posttrain.algo);
-      NDT_CHECK(resume->empty() && trace->empty(), "--resume and --trace apply to posttrain.algo sft only");
+      NDT_CHECK(resume->empty() && trace->empty() && kernel_trace->empty(),
+                "--resume, --trace and --kernel-trace apply to posttrain.algo sft only");
       run_posttrain(trainer, *s.tok, world);
       return 0;
     }
     if (!trace->empty()) trainer.set_trace(*trace);
     if (!resume->empty()) trainer.resume(*resume);
     if (watchdog) watchdog->set_step(trainer.start_step());
+    const auto ktrace =
+        KernelTraceWindow::create(*kernel_trace, *kernel_trace_steps, s.cfg, world, trainer.start_step());
     trainer.run([&](const StepStats& st) {
       if (watchdog) watchdog->set_step(st.step + 1);
+      if (ktrace) ktrace->after_step(st.step);
     });
     return 0;
   };

@@ -27,6 +27,7 @@
 
 #include "core/check.h"
 #include "cuda/cuda_check.h"
+#include "cuda/dl_symbol.h"
 
 namespace ndt::cuda {
 namespace {
@@ -46,12 +47,6 @@ struct Api {
   bool loaded = false;
   std::string status;  // "cuDNN 9.x.y" or why not
 };
-
-template <typename F>
-bool load_symbol(void* lib, const char* name, F& f) {
-  f = reinterpret_cast<F>(dlsym(lib, name));
-  return f != nullptr;
-}
 
 const Api& api() {
   static const Api a = [] {
