@@ -90,6 +90,15 @@ void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, co
 template <typename E>
 void rmsnorm_forward(E* out, float* rstd, const E* inp, const E* weight, int64_t T, int64_t C, float eps,
                      cudaStream_t stream = 0);
+// The residual add before a norm in one kernel: h = a + (b + rbias) (residual_forward's arithmetic; rbias
+// may be null, else one row), out = norm(h); equal bit for bit to residual_forward then the norm.
+template <typename E>
+void add_layernorm_forward(E* h, E* out, float* mean, float* rstd, const E* a, const E* b, const E* rbias,
+                           const E* weight, const E* bias, int64_t T, int64_t C, float eps,
+                           cudaStream_t stream);
+template <typename E>
+void add_rmsnorm_forward(E* h, E* out, float* rstd, const E* a, const E* b, const E* rbias, const E* weight,
+                         int64_t T, int64_t C, float eps, cudaStream_t stream);
 template <typename E>
 void rmsnorm_backward(E* dinp, float* dweight, const E* dout, const E* inp, const E* weight,
                       const float* rstd, int64_t T, int64_t C, cudaStream_t stream = 0,

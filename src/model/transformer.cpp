@@ -138,6 +138,21 @@ void Transformer::norm_forward(const std::string& prefix, const Tensor& x, Tenso
   }
 }
 
+void Transformer::add_norm_forward(const std::string& prefix, const Tensor& a, const Tensor& b,
+                                   const Tensor* rbias, Tensor& h, Tensor& out, Tensor& mean, Tensor& rstd) {
+  const int64_t rows = a.size(0);
+  out = act(a.shape());
+  rstd = stat({rows});
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  if (cfg_.is_gpt2()) {
+    mean = stat({rows});
+    ops::add_layernorm_forward(h, out, mean, rstd, a, b, rbias, p(prefix + ".weight").compute_value(),
+                               p(prefix + ".bias").compute_value(), eps);
+  } else {
+    ops::add_rmsnorm_forward(h, out, rstd, a, b, rbias, p(prefix + ".weight").compute_value(), eps);
+  }
+}
+
 void Transformer::head_norm_forward(const std::string& prefix, const Tensor& raw, Tensor& out, Tensor& rstd) {
   const int64_t rows = raw.size(0) * raw.size(1), D = raw.size(2);
   out = act(raw.shape());
@@ -243,9 +258,8 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   ops::linear_forward(o_partial, a.att.view({T, heads_local_ * D}), p(pre + "attn.wo.weight").compute_value(),
                       nullptr);
   Tensor o = tp_->exit_forward(o_partial);
-  a.h = ops::add(x, o, bias(pre + "attn.wo.bias"));  // bias after the TP reduction, fused with the residual
-
-  norm_forward(pre + "mlp_norm", a.h, a.n2, a.n2_mean, a.n2_rstd);
+  // The residual add (with the bias after the TP reduction) and the MLP norm in one pass.
+  add_norm_forward(pre + "mlp_norm", x, o, bias(pre + "attn.wo.bias"), a.h, a.n2, a.n2_mean, a.n2_rstd);
   auto it = moe_.find(l);
   if (it == moe_.end())
     return ops::add(a.h, mlp_forward(pre + "mlp.", ffn_local_, a), bias(pre + "mlp.proj.bias"));

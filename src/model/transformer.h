@@ -131,6 +131,9 @@ class Transformer {
   Tensor head_norm_backward(const std::string& prefix, const Tensor& dout, const Tensor& raw,
                             const Tensor& rstd);
   void norm_forward(const std::string& prefix, const Tensor& x, Tensor& out, Tensor& mean, Tensor& rstd);
+  // h = a + (b + rbias) and out = norm(h): one kernel on the GPU.
+  void add_norm_forward(const std::string& prefix, const Tensor& a, const Tensor& b, const Tensor* rbias,
+                        Tensor& h, Tensor& out, Tensor& mean, Tensor& rstd);
   // dx += norm input gradient; with dres, dx = *dres + norm input gradient (dx fresh, not read).
   void norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x,
                      const Tensor& mean, const Tensor& rstd, const Tensor* dres = nullptr);

@@ -194,6 +194,57 @@ void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor&
   cpu::rmsnorm_forward(out.f32(), rstd.f32(), inp.f32(), weight.f32(), rows(inp), inp.size(-1), eps);
 }
 
+namespace {
+// add()'s checks, for the fused add + norm.
+void check_residual(const Tensor& a, const Tensor& b, const Tensor* rbias) {
+  NDT_CHECK(a.numel() == b.numel() && a.dim() >= 1, "add + norm: {} vs {}", shape_str(a.shape()),
+            shape_str(b.shape()));
+  NDT_CHECK(!rbias || rbias->numel() == a.size(-1), "add + norm: bias of {} elements for rows of {}",
+            rbias ? rbias->numel() : 0, a.size(-1));
+}
+}  // namespace
+
+void add_layernorm_forward(Tensor& h, Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& a,
+                           const Tensor& b, const Tensor* rbias, const Tensor& weight, const Tensor& bias,
+                           float eps) {
+  check_residual(a, b, rbias);
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(a)) {
+    h = Tensor::empty(a.shape(), a.dtype(), a.device());
+    by_dtype(a, [&](auto tag_) {
+      using E = typename decltype(tag_)::type;
+      cuda::add_layernorm_forward<E>(
+          dp<E>(h, "add+ln h"), dp<E>(out, "add+ln out"), dp<float>(mean, "ln mean"),
+          dp<float>(rstd, "ln rstd"), dp<E>(a, "add a"), dp<E>(b, "add b"), dp_opt<E>(rbias, "add bias"),
+          dp<E>(weight, "ln weight"), dp<E>(bias, "ln bias"), rows(a), a.size(-1), eps, st());
+    });
+    return;
+  }
+#endif
+  h = add(a, b, rbias);
+  layernorm_forward(out, mean, rstd, h, weight, bias, eps);
+}
+
+void add_rmsnorm_forward(Tensor& h, Tensor& out, Tensor& rstd, const Tensor& a, const Tensor& b,
+                         const Tensor* rbias, const Tensor& weight, float eps) {
+  check_residual(a, b, rbias);
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(a)) {
+    h = Tensor::empty(a.shape(), a.dtype(), a.device());
+    by_dtype(a, [&](auto tag_) {
+      using E = typename decltype(tag_)::type;
+      cuda::add_rmsnorm_forward<E>(dp<E>(h, "add+rms h"), dp<E>(out, "add+rms out"),
+                                   dp<float>(rstd, "rms rstd"), dp<E>(a, "add a"), dp<E>(b, "add b"),
+                                   dp_opt<E>(rbias, "add bias"), dp<E>(weight, "rms weight"), rows(a),
+                                   a.size(-1), eps, st());
+    });
+    return;
+  }
+#endif
+  h = add(a, b, rbias);
+  rmsnorm_forward(out, rstd, h, weight, eps);
+}
+
 void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
                       const Tensor& weight, const Tensor& rstd, const Tensor* dres) {
   NDT_CHECK(!dres || dres->numel() == dinp.numel(), "rmsnorm_backward: residual gradient {} vs {}",

@@ -36,6 +36,13 @@ void layernorm_backward(Tensor& dinp, Tensor& dweight, Tensor& dbias, const Tens
                         const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                         const Tensor* dres = nullptr);
 void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps);
+// The residual add before a norm: h = add(a, b, rbias) (a new tensor like a), then the norm of h into out.
+// One kernel on the GPU, equal bit for bit to the two ops.
+void add_layernorm_forward(Tensor& h, Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& a,
+                           const Tensor& b, const Tensor* rbias, const Tensor& weight, const Tensor& bias,
+                           float eps);
+void add_rmsnorm_forward(Tensor& h, Tensor& out, Tensor& rstd, const Tensor& a, const Tensor& b,
+                         const Tensor* rbias, const Tensor& weight, float eps);
 void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
                       const Tensor& weight, const Tensor& rstd, const Tensor* dres = nullptr);
 

@@ -41,20 +41,7 @@ Tensor poisoned(Shape s, DType dt) {
   return t;
 }
 
-void expect_close(const char* what, const Tensor& gpu, const Tensor& cpu, double tol) {
-  const Tensor g = ops::to_host_f32(gpu);
-  ASSERT_EQ(g.numel(), cpu.numel()) << what;
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < cpu.numel(); ++i) {
-    const double x = g.f32()[i], r = cpu.f32()[i];
-    ASSERT_TRUE(std::isfinite(x)) << what << ": element " << i << " unwritten or not finite";
-    num += (x - r) * (x - r);
-    den += r * r;
-  }
-  const double e = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-  std::printf("[err] %-40s %.3e (tol %.0e)\n", what, e, tol);
-  EXPECT_LE(e, tol) << what;
-}
+using testing::expect_close;
 
 // One MLP: x(T, C) -> pre = x @ W1^T + b1 (T, F), act = gelu(pre), out = act @ W2^T; backward from dout(T,
 // C). fused: whether the bf16 epilogues must run (forward and backward one fused matmul each).

@@ -241,6 +241,71 @@ TYPED_TEST(CudaOps, NormForwardManyRows) {
   expect_close<E>("rmsnorm_forward rstd (warp per row)", rstd.get(), rr, 1e-5);
 }
 
+// The bias gradient (column sums of dout, added into an fp32 dbias) over many rows: bf16 rows of a multiple
+// of 8 take the 16-byte-load kernel, others (and fp32) the general column sum. Against sums in double:
+// relative L2 <= 1e-5 (fp32 sums of exactly rounded inputs).
+TYPED_TEST(CudaOps, BiasBackwardManyRows) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  for (auto [rows, oc] : {std::pair<int64_t, int64_t>{16384, 768}, {1000, 2304}, {777, 72}, {300, 259}}) {
+    const Vec g = rounded<E>(randv(rows * oc, 70, -1.f, 1.f)), pre = randv(oc, 71);
+    Vec ref = pre;
+    for (int64_t c = 0; c < oc; ++c) {
+      double sum = 0;
+      for (int64_t t = 0; t < rows; ++t) sum += g[t * oc + c];
+      ref[c] += static_cast<float>(sum);
+    }
+    Dev<E> dg(g);
+    Dev<float> db(pre);
+    ndt::cuda::bias_backward<E>(db.p, dg.p, rows, oc);
+    char label[64];
+    std::snprintf(label, sizeof(label), "bias_backward %lldx%lld", static_cast<long long>(rows),
+                  static_cast<long long>(oc));
+    expect_close<E>(label, db.get(), ref, 1e-5);
+  }
+}
+
+// The norms' backward with the residual gradient and both parameter gradients at once, as the transformer
+// calls it: bf16 rows of a multiple of 8 up to 2048 columns take the fused kernel (dinp and the parameter
+// column sums in one pass; more rows than its 512 blocks x 8 warps, so warps loop), others the dinp kernel
+// plus a column sum. Tolerances as above: bf16 dinp 1e-2, fp32 parameter gradients 1e-5.
+TYPED_TEST(CudaOps, NormBackwardWithResidualManyRows) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  for (auto [rows, c] : {std::pair<int64_t, int64_t>{5000, 768}, {700, 2048}, {300, 2056}, {37, 96}}) {
+    const int64_t n = rows * c;
+    const Vec x = rounded<E>(randv(n, 60, 0.1f, 2.f)), w = rounded<E>(randv(c, 61)),
+              g = rounded<E>(randv(n, 62)), res = rounded<E>(randv(n, 63)), prew = randv(c, 64),
+              preb = randv(c, 65);
+    Vec rm(rows), rr(rows), ro(n), rb(c, 0.f);
+    ndt::cpu::layernorm_forward(ro.data(), rm.data(), rr.data(), x.data(), w.data(), rb.data(), rows, c,
+                                1e-5f);
+    Dev<E> dx(x), dw(w), dg(g), dres(res), dinp(n);
+    Dev<float> mean(rm), rstd(rr), dweight(prew), dbias(preb);
+    for (bool rms : {false, true}) {
+      char label[64];
+      std::snprintf(label, sizeof(label), "%s %lldx%lld", rms ? "rmsnorm" : "layernorm",
+                    static_cast<long long>(rows), static_cast<long long>(c));
+      Vec rdi = res, rdw = prew, rdb = preb;
+      dinp.poison();
+      dweight.upload(prew);
+      dbias.upload(preb);
+      if (rms) {
+        ndt::cuda::rmsnorm_backward<E>(dinp.p, dweight.p, dg.p, dx.p, dw.p, rstd.p, rows, c, 0, dres.p);
+        ndt::cpu::rmsnorm_backward(rdi.data(), rdw.data(), g.data(), x.data(), w.data(), rr.data(), rows, c);
+      } else {
+        ndt::cuda::layernorm_backward<E>(dinp.p, dweight.p, dbias.p, dg.p, dx.p, dw.p, mean.p, rstd.p, rows,
+                                         c, 0, dres.p);
+        ndt::cpu::layernorm_backward(rdi.data(), rdw.data(), rdb.data(), g.data(), x.data(), w.data(),
+                                     rm.data(), rr.data(), rows, c);
+        expect_close<E>((std::string(label) + " dbias(+=)").c_str(), dbias.get(), rdb, 1e-5);
+      }
+      expect_close<E>((std::string(label) + " dinp = dres +").c_str(), dinp.get(), rdi);
+      expect_close<E>((std::string(label) + " dweight(+=)").c_str(), dweight.get(), rdw, 1e-5);
+    }
+  }
+}
+
 TYPED_TEST(CudaOps, Norms) {
   NDT_REQUIRE_GPU();
   using E = TypeParam;
