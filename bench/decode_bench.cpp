@@ -9,6 +9,7 @@
 // Prints one JSON line: tokens/s (generated tokens over decode wall time), per-step ms, refit seconds.
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -22,6 +23,7 @@
 #include "train/hf_interop.h"
 
 #ifdef NDT_HAVE_CUDA
+#include "cuda/kernel_trace.h"
 #include "cuda/runtime.h"
 #endif
 
@@ -60,6 +62,10 @@ int main(int argc, char** argv) {
   app.add_option("--prompts-out", prompts_out, "Write the prompt ids (JSON) here");
   app.add_option("--tokens-out", tokens_out, "Write the generated ids of the last repeat (JSON) here");
   app.add_option("--json", json_out, "Append the result line to this file");
+  std::string kernel_trace;
+  app.add_option(
+      "--kernel-trace", kernel_trace,
+      "After the timed repeats, one more generate() traced (CUPTI): DIR/decode_kernels.{json,txt}");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -136,6 +142,20 @@ int main(int argc, char** argv) {
       sync_device(cfg);
       times.push_back(now_s() - t0);
     }
+#ifdef NDT_HAVE_CUDA
+    if (!kernel_trace.empty()) {  // untimed: tracing costs a little
+      std::string why;
+      NDT_CHECK(cuda::KernelTrace::available(&why), "--kernel-trace: {}", why);
+      std::filesystem::create_directories(kernel_trace);
+      cuda::KernelTrace::start();
+      gen.generate(reqs, sp, repeats);
+      const std::vector<cuda::TraceRecord> recs = cuda::KernelTrace::stop();
+      const std::string table = cuda::trace_summary(recs, new_tokens);  // "per step" = per decode step
+      std::ofstream(kernel_trace + "/decode_kernels.json") << cuda::trace_chrome_json(recs, 0);
+      std::ofstream(kernel_trace + "/decode_kernels.txt") << table;
+      std::cerr << table.substr(0, 4000);
+    }
+#endif
     int64_t generated = 0;
     for (const auto& o : outs) generated += static_cast<int64_t>(o.tokens.size());
     const double best = *std::min_element(times.begin(), times.end());

@@ -10,7 +10,8 @@
 # Environment: BENCH=path to ndtrain_decode_bench (default build/ndtrain_decode_bench; on the device machine
 #   carry a local build and its libraries, see bench/gpu_bench.sh), CONFIG=configs/llama-1b.yaml, BATCH=64,
 #   PROMPT=32, NEW=256, REPEATS=3, MODES=dynamic,static,compile, TEMPERATURE=0, PYTHON=python3,
-#   SETS (extra key=value overrides), SCRATCH=/tmp/ndtrain-decode.
+#   SETS (extra key=value overrides), SCRATCH=/tmp/ndtrain-decode, KERNEL_TRACE=1 (one more ndtrain generate()
+#   call, untimed, traced kernel by kernel: OUTDIR/trace/decode_kernels.{txt,json}, per decode step).
 set -uo pipefail
 OUT=${1:?usage: bench/decode_bench.sh OUTDIR}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,7 +38,8 @@ RES=$OUT/decode.jsonl
 "$BENCH" --config "$CONFIG" --set train.device=cuda train.precision=bf16 data.task=addition \
   data.tokenizer=byte ${SETS:-} --batch "$BATCH" --prompt-len "$PROMPT" --new "$NEW" --repeats "$REPEATS" \
   --temperature "$TEMPERATURE" --hf-out "$SCRATCH/hf" --prompts-out "$SCRATCH/prompts.json" \
-  --tokens-out "$SCRATCH/ndtrain_tokens.json" --json "$RES" 2>&1 | tee "$OUT/ndtrain.log"
+  --tokens-out "$SCRATCH/ndtrain_tokens.json" --json "$RES" ${KERNEL_TRACE:+--kernel-trace "$OUT/trace"} 2>&1 |
+  tee "$OUT/ndtrain.log"
 $PY bench/hf_generate.py --model "$SCRATCH/hf" --prompts "$SCRATCH/prompts.json" --new "$NEW" \
   --repeats "$REPEATS" --modes "$MODES" --temperature "$TEMPERATURE" --tokens "$SCRATCH/ndtrain_tokens.json" \
   --json "$RES" 2>&1 | grep -v Warning | tee "$OUT/hf.log"

@@ -197,6 +197,26 @@ class NcclComm final : public NcclCommunicator {
     return std::make_unique<Handle>(compute_, stream_, size());
   }
 
+  std::unique_ptr<CommHandle> all_gather_async(const void* send, void* recv, int64_t count,
+                                               DType dt) override {
+    NDT_CHECK(count == 0 || (cuda::is_device_pointer(send) && cuda::is_device_pointer(recv)),
+              "all_gather_async: needs device buffers");
+    begin("all_gather (asynchronous)");
+    if (count > 0) NDT_NCCL(ncclAllGather(send, recv, n(count), nccl_type(dt), comm_, stream_));
+    issued();
+    return std::make_unique<Handle>(compute_, stream_, size());
+  }
+
+  std::unique_ptr<CommHandle> reduce_async(void* buf, int64_t count, DType dt, ReduceOp op,
+                                           int root) override {
+    check_peer(root, "reduce root");
+    NDT_CHECK(count == 0 || cuda::is_device_pointer(buf), "reduce_async: needs a device buffer");
+    begin("reduce (asynchronous)");
+    if (count > 0) NDT_NCCL(ncclReduce(buf, buf, n(count), nccl_type(dt), nccl_op(op), root, comm_, stream_));
+    issued();
+    return std::make_unique<Handle>(compute_, stream_, size());
+  }
+
   void broadcast(void* buf, int64_t count, DType dt, int root) override {
     check_peer(root, "broadcast root");
     if (count == 0) return;

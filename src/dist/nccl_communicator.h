@@ -12,7 +12,8 @@
 // - Blocking calls (the whole Communicator interface) return after the operation has completed on
 //   the device (host synchronization on the communicator's stream): the buffer may be read, written
 //   or freed right away, from any stream or the host.
-// - Non-blocking calls (all_reduce_async, reduce_scatter_async) return a CommHandle at once. Until
+// - Non-blocking calls (all_reduce_async, reduce_scatter_async, reduce_async, all_gather_async) return a
+// CommHandle at once. Until
 //   the handle's wait() (the compute stream waits for completion, the host does not block) or
 //   synchronize() (the host blocks), the buffers must not be touched. Their use: DP gradient
 //   reduction of finished buckets while backward continues on the compute stream. A handle destroyed
@@ -67,6 +68,14 @@ class NcclCommunicator : public Communicator {
   virtual std::unique_ptr<CommHandle> all_reduce_async(void* buf, int64_t count, DType dt, ReduceOp op) = 0;
   virtual std::unique_ptr<CommHandle> reduce_scatter_async(const void* send, void* recv, int64_t count,
                                                            DType dt, ReduceOp op) = 0;
+  // Non-blocking all-gather: recv = the ranks' `count`-element blocks in rank order (send may be this rank's
+  // own block of recv: NCCL's in-place form).
+  virtual std::unique_ptr<CommHandle> all_gather_async(const void* send, void* recv, int64_t count,
+                                                       DType dt) = 0;
+  // Non-blocking in-place reduce to `root`: buf on root becomes the reduction, the others' buf is left as
+  // it was. ZeRO-1 reduces each finished gradient range to the rank that owns it.
+  virtual std::unique_ptr<CommHandle> reduce_async(void* buf, int64_t count, DType dt, ReduceOp op,
+                                                   int root) = 0;
 };
 
 // Collective over `mpi_group` (which must be an MPI-backed communicator: it carries the bootstrap and

@@ -54,9 +54,11 @@ class Optimizer {
   // After reduce_grads: index (registration order in the store) of the first parameter whose reduced
   // gradient, in the part this rank owns, holds a NaN or Inf; -1 if none. Local (no collective).
   int64_t first_nonfinite_grad();
-  // Overlap of the DP reduction with backward (CUDA, NCCL, plain DP without ZeRO-1): reduce_early starts
-  // the all-reduce of flat grads [begin, end) at once, on the communicator's stream, ordered after the
-  // backward kernels enqueued so far; reduce_and_clip waits for those and reduces only the rest.
+  // Overlap of the DP reduction with backward (CUDA, NCCL): reduce_early starts the reduction of flat grads
+  // [begin, end) at once, on the communicator's stream, ordered after the backward kernels enqueued so far;
+  // reduce_and_clip waits for those and reduces only the rest. Plain DP all-reduces the range; ZeRO-1
+  // reduces each part of it to the rank that owns that part (NCCL reduce, in place in the flat gradients,
+  // which then hold the owned part's reduced gradient: no separate shard buffer).
   bool overlaps_reduction() const;
   void reduce_early(int64_t begin, int64_t end);
   // Step 4 with learning rate lr.
@@ -67,7 +69,7 @@ class Optimizer {
   int64_t moment_elements() const { return m_.numel(); }
   int64_t shard_grad_elements() const {
     int64_t n = 0;
-    for (const Region& r : regions_) n += r.sharded() ? r.shard_grad.numel() : 0;
+    for (const Region& r : regions_) n += r.shard_grad.defined() ? r.shard_grad.numel() : 0;
     return n;
   }
   void set_steps_taken(int64_t n) { step_ = n; }
@@ -87,10 +89,18 @@ class Optimizer {
     Communicator* norm_extra = nullptr;  // ranks holding OTHER parameters of this region (EP)
     int64_t own_begin = 0, own_end = 0;  // the part this rank updates
     int64_t state_offset = 0;            // where that part's moments start in m_ / v_
-    Tensor shard_grad;                   // ZeRO-1: reduced gradient of the owned part
-    bool sharded() const;
+    bool zero = false;                   // ZeRO-1: optimizer state (and reduced gradient) sharded over dp
+    // ZeRO-1 over NCCL: gradients reduced to their owners in place (the owned part of the flat gradients
+    // holds the reduced gradient); else reduce-scattered into shard_grad.
+    bool in_flat = false;
+    Tensor shard_grad;
+    bool sharded() const { return zero; }
     float* grad(ParamStore& ps) const;  // reduced gradient of the owned part
+    int64_t owner_begin(int q) const { return begin + (end - begin) / dp->size() * q; }
   };
+  // ZeRO-1 in place: reduces [b, e) of region r to the owners of its parts (asynchronous; appended to
+  // early_waits_).
+  void reduce_to_owners(Region& r, int64_t b, int64_t e);
   // Calls fn(param, region, b, e) for every parameter piece [b, e) (flat indices) this rank owns.
   template <typename F>
   void for_owned(F&& fn);

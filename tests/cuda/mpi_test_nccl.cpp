@@ -456,6 +456,32 @@ TEST_F(Nccl, StreamContractBlockingAndAsync) {
   std::vector<float> ref(static_cast<size_t>(blk));
   mpi->reduce_scatter(x.data(), ref.data(), blk, DType::F32, ReduceOp::Sum);
   expect_match(out.download(), ref, 1e-6, "reduce_scatter_async");
+  // reduce_async to each root in turn (ZeRO-1's per-owner reduction): the root holds the sum, the others
+  // keep their own values.
+  for (int root = 0; root < size; ++root) {
+    std::vector<float> mine = random_vec<float>(cnt, seed(140 + root));
+    DevBuf<float> buf(mine);
+    auto hr = n->reduce_async(buf.p, cnt, DType::F32, ReduceOp::Sum, root);
+    hr->synchronize();
+    std::vector<float> sum = mine;
+    mpi->all_reduce(sum.data(), cnt, DType::F32, ReduceOp::Sum);
+    expect_match(buf.download(), mpi->rank() == root ? sum : mine, 1e-6,
+                 "reduce_async to root " + std::to_string(root));
+  }
+  EXPECT_THROW(n->reduce_async(in.p, 1, DType::F32, ReduceOp::Sum, size), Error);
+  // all_gather_async in place (this rank's block of the output is its input), as ZeRO-1 gathers updated
+  // parameters.
+  {
+    std::vector<float> all =
+        random_vec<float>(blk * size, seed(150));  // every rank's copy; only its block counts
+    std::vector<float> ref(static_cast<size_t>(blk * size));
+    std::vector<float> mine(all.begin() + blk * mpi->rank(), all.begin() + blk * (mpi->rank() + 1));
+    mpi->all_gather(mine.data(), ref.data(), blk, DType::F32);
+    DevBuf<float> buf(all);
+    auto hg = n->all_gather_async(buf.p + blk * mpi->rank(), buf.p, blk, DType::F32);
+    hg->synchronize();
+    expect_match(buf.download(), ref, 0, "all_gather_async in place");
+  }
   n->set_compute_stream(0);
   NDT_CUDA_CHECK(cudaFreeHost(pinned));
   NDT_CUDA_CHECK(cudaStreamDestroy(s));
