@@ -94,24 +94,36 @@ double sum_squares(const float* x, int64_t n, cudaStream_t stream) {
 
 namespace {
 // The bias gradient of bf16 rows with 8 | OC and 16-byte alignment: like detail::colsum's first pass (a
-// block reduces kColsumRows rows of its columns into one partial row, in a fixed order) but with 16-byte
-// loads, 8 columns per thread: a warp reads 512 contiguous bytes of a row instead of 64.
+// block reduces a chunk of rows of its columns into one partial row, in a fixed order) but with 16-byte
+// loads, 8 columns per thread (a warp reads 512 contiguous bytes of a row instead of 64), chunks of 64 rows
+// (4 x the blocks: GPT-2's 768 columns gave 192 blocks of 256 rows, too few loads in flight) and each
+// thread's 8 rows loaded before they are added.
+constexpr int kBiasChunkRows = 64;
 __global__ void bias_grad_partial_vec_kernel(float* partial, const __nv_bfloat16* dout, int64_t T,
                                              int64_t C) {
-  constexpr int VEC = 8, SPAN = 32 * VEC;
+  constexpr int VEC = 8, SPAN = 32 * VEC, PER = kBiasChunkRows / 8;
   __shared__ float sm[8][SPAN];
   const int x = threadIdx.x & 31, y = threadIdx.x >> 5;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * SPAN + x * VEC;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * detail::kColsumRows;
-  const int64_t t1 = t0 + detail::kColsumRows < T ? t0 + detail::kColsumRows : T;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kBiasChunkRows;
   float acc[VEC] = {};
-  if (c < C)
-    for (int64_t t = t0 + y; t < t1; t += 8) {
-      float v[VEC];
-      detail::load<VEC>(v, dout + t * C, c);
+  if (c < C) {
+    float v[PER][VEC];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) acc[k] += v[k];
+    for (int i = 0; i < PER; ++i) {
+      const int64_t t = t0 + y + 8 * i;
+      if (t < T) {
+        detail::load<VEC>(v[i], dout + t * C, c);
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[i][k] = 0.f;
+      }
     }
+#pragma unroll
+    for (int i = 0; i < PER; ++i)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] += v[i][k];
+  }
 #pragma unroll
   for (int k = 0; k < VEC; ++k) sm[y][x * VEC + k] = acc[k];
   __syncthreads();
@@ -129,7 +141,7 @@ template <typename E>
 void bias_backward(float* dbias, const E* dout, int64_t T, int64_t OC, cudaStream_t stream) {
   if constexpr (std::is_same_v<E, __nv_bfloat16>) {
     if (T > 0 && OC > 0 && OC % 8 == 0 && detail::aligned16(dout)) {
-      const int64_t nchunk = (T + detail::kColsumRows - 1) / detail::kColsumRows;
+      const int64_t nchunk = (T + kBiasChunkRows - 1) / kBiasChunkRows;
       detail::Scratch partial(sizeof(float) * nchunk * OC, stream);
       const dim3 grid(static_cast<unsigned>((OC + 255) / 256), static_cast<unsigned>(nchunk));
       bias_grad_partial_vec_kernel<<<grid, 256, 0, stream>>>(partial.as<float>(), dout, T, OC);
