@@ -215,6 +215,10 @@ void moe_gate_grad(float* dgates, const E* dout, const E* y, const int32_t* pos,
 // ---- row scatter (cuda_rows.cu): dst[rows[i]] = src[i] for i < n, rows of C elements; rows distinct ----
 template <typename E>
 void scatter_rows(E* dst, const int32_t* rows, const E* src, int64_t n, int64_t C, cudaStream_t stream = 0);
+// dst(T, wa + wb + wc) = [a(T, wa) | b(T, wb) | c(T, wc)] row by row.
+template <typename E>
+void concat_cols3(E* dst, const E* a, int64_t wa, const E* b, int64_t wb, const E* c, int64_t wc, int64_t T,
+                  cudaStream_t stream = 0);
 
 // ---- token sampling (twin of generate/sampler.cpp choose_token; cuda_sample.cu) ----
 // Row r of logits (n, V): token[r] and logprob[r] (log p under the temperature-1 softmax of the row) from

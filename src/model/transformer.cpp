@@ -38,11 +38,19 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, P
     params_.add(n + ".weight", {out, C}, InitKind::Normal, s, true, 0, tps, r);
     if (gpt2 && with_bias) params_.add(n + ".bias", {out}, InitKind::Zeros, 0, false, 0, tps, r);
   };
-  // Llama with model.qkv_bias (Qwen2): q, k and v biases. Unlike GPT-2's, the key bias is kept: RoPE
-  // rotates it by the key's position, so q . R_j b_k is no longer the same for every key.
-  auto qkv = [&](const std::string& n, int64_t out, float s, bool gpt2_bias) {
-    col(n, out, s, gpt2_bias);
-    if (!gpt2 && cfg_.qkv_bias) params_.add(n + ".bias", {out}, InitKind::Zeros, 0, false, 0, tps, r);
+  // q, k and v: the three weights back to back, then their biases (a fused matmul takes the weights as
+  // one matrix, Transformer::fused_weight / fused_grad). GPT-2 has no key bias: q.(k + b) shifts all of a
+  // query's scores by the same constant, which softmax ignores, so its gradient is exactly zero and Adam
+  // would only amplify rounding noise into it. Llama with model.qkv_bias (Qwen2) keeps all three: RoPE
+  // rotates the key bias by the key's position, so q . R_j b_k is no longer the same for every key.
+  auto qkv = [&](const std::string& pre) {
+    const std::pair<const char*, int64_t> parts[] = {
+        {"attn.wq", H * D}, {"attn.wk", KV * D}, {"attn.wv", KV * D}};
+    for (auto [n, out] : parts)
+      params_.add(pre + n + ".weight", {out, C}, InitKind::Normal, std, true, 0, tps, r);
+    for (auto [n, out] : parts)
+      if ((gpt2 && std::string(n) != "attn.wk") || (!gpt2 && cfg_.qkv_bias))
+        params_.add(pre + n + ".bias", {out}, InitKind::Zeros, 0, false, 0, tps, r);
   };
   auto row = [&](const std::string& n, int64_t in, float s) {
     params_.add(n + ".weight", {C, in}, InitKind::Normal, s, true, 1, tps, r);
@@ -66,11 +74,7 @@ Transformer::Transformer(const ModelConfig& cfg, StageSpec stage, TpHooks* tp, P
   for (int64_t l = stage_.first_layer; l < stage_.last_layer; ++l) {
     const std::string pre = lp(l);
     norm(pre + "attn_norm");
-    qkv(pre + "attn.wq", H * D, std, true);
-    // No GPT-2 key bias: q.(k + b) shifts all of a query's scores by the same constant, which softmax
-    // ignores, so its gradient is exactly zero and Adam would only amplify rounding noise into it.
-    qkv(pre + "attn.wk", KV * D, std, /*gpt2_bias=*/false);
-    qkv(pre + "attn.wv", KV * D, std, true);
+    qkv(pre);
     row(pre + "attn.wo", H * D, proj_std);
     if (!gpt2 && cfg_.qk_norm) {
       // Qwen3: one (D) weight per projection shared by all heads, replicated over TP; each TP rank's
@@ -205,6 +209,22 @@ Tensor Transformer::fused_weight(const std::string& pre, std::initializer_list<c
   return flat.view_at(first, {rows, cols});
 }
 
+Tensor Transformer::fused_grad(const std::string& pre, std::initializer_list<const char*> names) {
+  Tensor& flat = ps_->flat_grads();
+  if (!flat.defined()) return Tensor();
+  int64_t first = -1, next = -1, rows = 0, cols = 0, dim = 0;
+  for (const char* n : names) {
+    Param* w = ps_->find(pre + n);
+    if (!w || w->value.dim() < 1 || w->value.dim() > 2) return Tensor();
+    const int64_t off = ps_->offset_of(*w), c = w->value.dim() == 2 ? w->value.size(1) : 1;
+    if (first < 0) first = off, next = off, cols = c, dim = w->value.dim();
+    if (off != next || c != cols || w->value.dim() != dim) return Tensor();
+    next = off + w->numel();
+    rows += w->value.size(0);
+  }
+  return dim == 1 ? flat.view_at(first, {rows}) : flat.view_at(first, {rows, cols});
+}
+
 Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor& x, LayerActs& a) {
   const std::string pre = lp(l);
   const int64_t D = cfg_.head_dim(), C = cfg_.d_model;
@@ -216,11 +236,13 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   a.q = act({T, heads_local_, D});
   a.k = act({T, kv_local_, D});
   a.v = act({T, kv_local_, D});
-  // Decode steps (KV cache) of RoPE models without q/k norms: one matmul for q, k and v, then one kernel
-  // that splits and rotates (the small k and v matmuls alone leave most of the GPU's bandwidth unused).
-  const Tensor wqkv = kv_ && !cfg_.is_gpt2() && !cfg_.qk_norm
-                          ? fused_weight(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"})
-                          : Tensor();
+  // On the GPU (training and decode steps), RoPE models without q/k norms or q/k/v biases: one matmul for
+  // q, k and v, then one kernel that splits and rotates (the narrow k and v matmuls alone use the GPU
+  // poorly, in decode steps most of all).
+  const bool fuse_qkv = (kv_ || x.device() == Device::CUDA) && !cfg_.is_gpt2() && !cfg_.qk_norm &&
+                        !ps_->find(pre + "attn.wq.bias");
+  const Tensor wqkv =
+      fuse_qkv ? fused_weight(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"}) : Tensor();
   if (wqkv.defined()) {
     Tensor qkv = act({T, (heads_local_ + 2 * kv_local_) * D});
     ops::linear_forward(qkv, a.a_in, wqkv, nullptr);
@@ -377,14 +399,34 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
     dk = head_norm_backward(pre + "attn.k_norm", dk, a.k_raw, a.k_rstd);
   }
   Tensor da_in = act({T, C});
-  bool first = true;
-  for (auto [name, d] :
-       {std::pair<const char*, Tensor*>{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}}) {
-    Param& w = p(pre + name + ".weight");
-    Param* b = ps_->find(pre + name + ".bias");
-    ops::linear_backward(&da_in, w.grad, b ? &b->grad : nullptr, *d, a.a_in, w.compute_value(),
-                         /*accumulate_dinp=*/!first);
-    first = false;
+  // On the GPU, with q/k/v weights (and biases) back to back in the store: one matmul for the input
+  // gradient and one for the weight gradients over [dq | dk | dv], instead of three narrow ones each.
+  const bool biased = ps_->find(pre + "attn.wq.bias") != nullptr;
+  Tensor wqkv, gqkv, gbqkv;
+  if (a.a_in.device() == Device::CUDA &&
+      (wqkv = fused_weight(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"})).defined()) {
+    gqkv = fused_grad(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"});
+    if (biased) gbqkv = fused_grad(pre, {"attn.wq.bias", "attn.wk.bias", "attn.wv.bias"});
+  }
+  if (gqkv.defined()) {
+    Tensor dqkv = act({T, (heads_local_ + 2 * kv_local_) * D});
+    ops::qkv_merge(dqkv, dq, dk, dv);
+    ops::linear_backward(&da_in, gqkv, gbqkv.defined() ? &gbqkv : nullptr, dqkv, a.a_in, wqkv,
+                         /*accumulate_dinp=*/false);
+    if (biased && !gbqkv.defined())  // GPT-2: q and v biases, no key bias
+      for (auto [name, d] :
+           {std::pair<const char*, Tensor*>{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}})
+        if (Param* b = ps_->find(pre + name + ".bias")) ops::bias_backward(b->grad, *d);
+  } else {
+    bool first = true;
+    for (auto [name, d] :
+         {std::pair<const char*, Tensor*>{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}}) {
+      Param& w = p(pre + name + ".weight");
+      Param* b = ps_->find(pre + name + ".bias");
+      ops::linear_backward(&da_in, w.grad, b ? &b->grad : nullptr, *d, a.a_in, w.compute_value(),
+                           /*accumulate_dinp=*/!first);
+      first = false;
+    }
   }
   Tensor dn1 = tp_->enter_backward(da_in);
   norm_backward(pre + "attn_norm", dx, dn1, a.x_in, a.n1_mean, a.n1_rstd, &dh);

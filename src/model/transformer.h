@@ -142,6 +142,9 @@ class Transformer {
   // matrix of the compute copy, for one matmul in place of several in decode steps (KV cache); undefined
   // when they are not contiguous (a bias in between) or the store is not flat.
   Tensor fused_weight(const std::string& pre, std::initializer_list<const char*> names);
+  // The fp32 gradients of the same parameters (2-D weights or 1-D biases) as one view of the store's flat
+  // gradients, when they lie back to back there; undefined otherwise.
+  Tensor fused_grad(const std::string& pre, std::initializer_list<const char*> names);
   const Tensor* bias(const std::string& name);
   // Activation / statistics buffers on the store's device (activations in its compute dtype).
   Tensor act(Shape s) const { return Tensor::empty(std::move(s), ps_->compute_dtype(), ps_->device()); }

@@ -285,6 +285,23 @@ void qkv_split_rope(Tensor& q, Tensor& k, Tensor& v, const Tensor& qkv, const Te
   cpu::rope_forward(k.f32(), k.f32(), pos.i32(), T, KV, D, theta);
 }
 
+void qkv_merge(Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v) {
+  const int64_t T = q.size(0), wq = q.numel() / std::max<int64_t>(T, 1),
+                wk = k.numel() / std::max<int64_t>(T, 1);
+  NDT_CHECK(k.numel() == v.numel() && k.size(0) == T && v.size(0) == T, "qkv_merge: k {} and v {} for q {}",
+            shape_str(k.shape()), shape_str(v.shape()), shape_str(q.shape()));
+  require_shape(qkv, {T, wq + 2 * wk}, "qkv_merge qkv");
+  NDT_ON_CUDA(qkv, cuda::concat_cols3<E>(dp<E>(qkv, "qkv"), dp<E>(q, "q"), wq, dp<E>(k, "k"), wk,
+                                         dp<E>(v, "v"), wk, T, st()));
+  require_cpu(qkv, "qkv_merge");
+  float* x = qkv.f32();
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(x + t * (wq + 2 * wk), q.f32() + t * wq, sizeof(float) * wq);
+    std::memcpy(x + t * (wq + 2 * wk) + wq, k.f32() + t * wk, sizeof(float) * wk);
+    std::memcpy(x + t * (wq + 2 * wk) + wq + wk, v.f32() + t * wk, sizeof(float) * wk);
+  }
+}
+
 void rope_backward(Tensor& dx, const Tensor& pos, float theta) {
   // Backward is the inverse rotation; it writes (not accumulates) when input and output alias, so
   // rotate a copy into a zeroed buffer and store it back.

@@ -52,6 +52,9 @@ void rope_backward(Tensor& dx, const Tensor& pos, float theta);
 // A fused q/k/v projection qkv(T, (H + 2 KV) D), rows [q | k | v], split into q(T, H, D) and k(T, KV, D),
 // rotated by positions pos(T), and v(T, KV, D) (decode steps: one matmul instead of three).
 void qkv_split_rope(Tensor& q, Tensor& k, Tensor& v, const Tensor& qkv, const Tensor& pos, float theta);
+// The inverse of the split without the rotation: qkv(T, (H + 2 KV) D) = [q | k | v] row by row (their
+// gradients as one operand of the fused q/k/v matmul's backward).
+void qkv_merge(Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v);
 
 // q(T, H, D), k/v(T, KV, D), cu_seqlens(nseq + 1); out(T, H, D), lse(T, H). Backward adds into dq/dk/dv,
 // or overwrites them with accumulate = false (which lets bf16 CUDA runs with equal-length segments and a

@@ -193,10 +193,11 @@ Result<std::pair<ModelConfig, std::vector<std::pair<std::string, Tensor>>>> impo
       out.emplace_back(o + "attn_norm.bias", read(hl(t, l, "ln_1.bias"), {C}));
       const Tensor qkv = transposed(read(hl(t, l, "attn.c_attn.weight"), {C, 3 * C}));  // (3C, C)
       const Tensor b = read(hl(t, l, "attn.c_attn.bias"), {3 * C});
+      // The model's order: the three weights, then the biases (key bias dropped).
       out.emplace_back(o + "attn.wq.weight", qkv.view_at(0, {C, C}).clone());
-      out.emplace_back(o + "attn.wq.bias", b.view_at(0, {C}).clone());
-      out.emplace_back(o + "attn.wk.weight", qkv.view_at(C * C, {C, C}).clone());  // key bias dropped
+      out.emplace_back(o + "attn.wk.weight", qkv.view_at(C * C, {C, C}).clone());
       out.emplace_back(o + "attn.wv.weight", qkv.view_at(2 * C * C, {C, C}).clone());
+      out.emplace_back(o + "attn.wq.bias", b.view_at(0, {C}).clone());
       out.emplace_back(o + "attn.wv.bias", b.view_at(2 * C, {C}).clone());
       out.emplace_back(o + "attn.wo.weight", transposed(read(hl(t, l, "attn.c_proj.weight"), {C, C})));
       out.emplace_back(o + "attn.wo.bias", read(hl(t, l, "attn.c_proj.bias"), {C}));

@@ -42,12 +42,15 @@ std::vector<Expected> expected_params(const ModelConfig& cfg) {
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
     const std::string o = fmt::format("layers.{}.", l), h = fmt::format("model.layers.{}.", l);
     one(o + "attn_norm.weight", h + "input_layernorm.weight", {C});
+    // The model's order: the three weights, then the biases.
     one(o + "attn.wq.weight", h + "self_attn.q_proj.weight", {H * D, C});
-    if (cfg.qkv_bias) one(o + "attn.wq.bias", h + "self_attn.q_proj.bias", {H * D});
     one(o + "attn.wk.weight", h + "self_attn.k_proj.weight", {KV * D, C});
-    if (cfg.qkv_bias) one(o + "attn.wk.bias", h + "self_attn.k_proj.bias", {KV * D});
     one(o + "attn.wv.weight", h + "self_attn.v_proj.weight", {KV * D, C});
-    if (cfg.qkv_bias) one(o + "attn.wv.bias", h + "self_attn.v_proj.bias", {KV * D});
+    if (cfg.qkv_bias) {
+      one(o + "attn.wq.bias", h + "self_attn.q_proj.bias", {H * D});
+      one(o + "attn.wk.bias", h + "self_attn.k_proj.bias", {KV * D});
+      one(o + "attn.wv.bias", h + "self_attn.v_proj.bias", {KV * D});
+    }
     one(o + "attn.wo.weight", h + "self_attn.o_proj.weight", {C, H * D});
     if (cfg.qk_norm) {  // Qwen3
       one(o + "attn.q_norm.weight", h + "self_attn.q_norm.weight", {D});

@@ -423,6 +423,26 @@ TYPED_TEST(CudaOps, QkvSplitRopeAndFusedSwiglu) {
   expect_close<E>("swiglu_forward_fused", out.get(), ro);
 }
 
+// The fused q/k/v backward's operand: [dq | dk | dv] row by row, an exact copy (compared bit for bit with
+// the row-by-row layout), on the 16-byte path (widths multiples of 8) and the element path.
+TYPED_TEST(CudaOps, ConcatCols3) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  for (auto [wa, wb] : {std::pair<int64_t, int64_t>{256, 64}, {24, 8}, {13, 5}}) {
+    const int64_t rows = 300, w = wa + 2 * wb;
+    const Vec a = rounded<E>(randv(rows * wa, 80)), b = rounded<E>(randv(rows * wb, 81)),
+              c = rounded<E>(randv(rows * wb, 82));
+    Dev<E> da(a), db(b), dc(c), out(rows * w);
+    out.poison();
+    ndt::cuda::concat_cols3<E>(out.p, da.p, wa, db.p, wb, dc.p, wb, rows);
+    Vec ref(rows * w);
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t j = 0; j < w; ++j)
+        ref[t * w + j] = j < wa ? a[t * wa + j] : j < wa + wb ? b[t * wb + j - wa] : c[t * wb + j - wa - wb];
+    EXPECT_EQ(out.get(), ref) << wa << " + 2 x " << wb;
+  }
+}
+
 TYPED_TEST(CudaOps, Embeddings) {
   NDT_REQUIRE_GPU();
   using E = TypeParam;
