@@ -102,8 +102,7 @@ bool Optimizer::overlaps_reduction() const {
 void Optimizer::reduce_early(int64_t begin, int64_t end) {
   NDT_CHECK(overlaps_reduction() && begin >= 0 && begin < end && end <= regions_.front().end &&
                 regions_.front().dp == c_.dp,
-            "reduce_early [{}, {}): needs plain DP over NCCL and a range of the dense flat region", begin,
-            end);
+            "reduce_early [{}, {}): needs DP over NCCL and a range of the dense flat region", begin, end);
 #ifdef NDT_HAVE_NCCL
   early_ranges_.emplace_back(begin, end);
   if (regions_.front().zero) {

@@ -4,7 +4,8 @@
 // Gradient flow of one step (grads hold the local sum over microbatches, already scaled by 1/N):
 //   1. sync_tp_replicated: replicated params' grads are TP partial sums under sequence parallelism, those
 //      marked tp_partial_grad (computed from this rank's heads) always: all-reduced over TP.
-//   2. plain DP: all-reduce grads over DP (in buckets).     ZeRO-1: reduce-scatter grads over DP.
+//   2. plain DP: all-reduce grads over DP (in buckets).     ZeRO-1: reduce-scatter grads over DP (over NCCL:
+//      each range reduced to the ranks that own its parts, in place in the flat gradients).
 //   3. global grad norm over all shards (TP-replicated params counted once), clip.
 //   4. AdamW on what this rank owns; ZeRO-1 all-gathers the updated parameters.
 // fp32 on CPU: the parameters are the master weights. On CUDA the store's flat fp32 buffers (values,
