@@ -43,7 +43,10 @@ StageMemory stage_memory(const Config& cfg, int64_t pp_rank) {
   m.pp_rank = pp_rank;
   m.params = rank_params(cfg, pp_rank);
   m.flat = flat_sizes(cfg, m.params);
-  m.persistent = persistent_bytes(m.flat, cfg.train.precision != "fp32");
+  // ZeRO-1 on GPUs over NCCL reduces and gathers in place (train/optimizer.cpp): no gradient shard, no copy
+  // of the updated shard before the all-gather; staged through MPI it keeps both, as on the CPU.
+  const bool zero1_buffers = cfg.train.device_comm != "nccl";
+  m.persistent = persistent_bytes(m.flat, cfg.train.precision != "fp32", zero1_buffers);
 
   const MicrobatchShape mb = microbatch_shape(cfg);
   const ActDims d = act_dims(cfg, mb.tokens);
@@ -110,9 +113,9 @@ StageMemory stage_memory(const Config& cfg, int64_t pp_rank) {
   }
   NDT_CHECK(live == m.persistent.total(), "plan: {} bytes still live after the step on pp rank {}",
             live - m.persistent.total(), pp_rank);
-  // ZeRO-1: each sharded region's updated shard is copied before the all-gather (Optimizer::step).
+  // ZeRO-1 over MPI: each sharded region's updated shard is copied before the all-gather (Optimizer::step).
   check(live + device_bytes(4 * std::max(m.flat.shard_dense, m.flat.shard_expert)) *
-                   (m.flat.shard_dense > 0 || m.flat.shard_expert > 0),
+                   (zero1_buffers && (m.flat.shard_dense > 0 || m.flat.shard_expert > 0)),
         "optimizer step (ZeRO-1 all-gather)");
   m.peak = peak;
   m.peak_at = peak_at;

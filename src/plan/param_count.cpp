@@ -78,15 +78,16 @@ FlatSizes flat_sizes(const Config& cfg, const ParamCounts& p) {
 
 int64_t device_bytes(int64_t bytes) { return (std::max<int64_t>(bytes, 1) + 255) / 256 * 256; }
 
-PersistentBytes persistent_bytes(const FlatSizes& f, bool bf16) {
+PersistentBytes persistent_bytes(const FlatSizes& f, bool bf16, bool zero1_buffers) {
   PersistentBytes b;
   const int64_t n = f.total();
   b.weights = device_bytes(4 * n);
   b.grads = device_bytes(4 * n);
   b.compute = bf16 ? device_bytes(2 * n) : 0;
   b.optimizer = 2 * device_bytes(4 * f.state);
-  for (int64_t shard : {f.shard_dense, f.shard_expert})
-    if (shard > 0) b.optimizer += device_bytes(4 * shard);
+  if (zero1_buffers)
+    for (int64_t shard : {f.shard_dense, f.shard_expert})
+      if (shard > 0) b.optimizer += device_bytes(4 * shard);
   return b;
 }
 

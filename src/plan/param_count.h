@@ -46,6 +46,8 @@ struct PersistentBytes {
   int64_t optimizer = 0;  // AdamW m and v (+ ZeRO-1 gradient shards)
   int64_t total() const { return weights + grads + compute + optimizer; }
 };
-PersistentBytes persistent_bytes(const FlatSizes& f, bool bf16);
+// zero1_buffers: ZeRO-1 keeps a reduced-gradient shard per sharded region (the CPU engine, and GPUs with
+// train.device_comm=mpi); GPUs over NCCL reduce into the flat gradients in place and keep none.
+PersistentBytes persistent_bytes(const FlatSizes& f, bool bf16, bool zero1_buffers);
 
 }  // namespace ndt::plan

@@ -75,7 +75,8 @@ std::string format_report(const PlanResult& r, const PlanOptions& o, const Confi
   }
   if (fits > shown) out += fmt::format("  ... {} more (--top 0 shows all)\n", fits - shown);
   out +=
-      "  (weights: fp32 values + fp32 grads + bf16 copy; optim: AdamW m, v (+ ZeRO-1 shards); act/mb: kept "
+      "  (weights: fp32 values + fp32 grads + bf16 copy; optim: AdamW m, v (+ ZeRO-1 shards over MPI); "
+      "act/mb: kept "
       "by\n"
       "   one microbatch's forward on the peak rank; in: microbatches in flight there; GiB; rank = world "
       "rank)\n";
