@@ -334,7 +334,8 @@ TEST(Plan, RecomputeAndZeroLowerMemory) {
   // ...while staged through MPI the shard adds half of one of them back.
   Config mpi = base;
   mpi.train.device_comm = "mpi";
-  const plan::StageMemory& zm = plan::plan_layout(mpi, l, o).stages[0];
+  const plan::LayoutPlan zero_mpi = plan::plan_layout(mpi, l, o);
+  const plan::StageMemory& zm = zero_mpi.stages[0];
   EXPECT_NEAR(static_cast<double>(a.persistent.optimizer) / static_cast<double>(zm.persistent.optimizer),
               8.0 / 1.5, 0.01);
   EXPECT_EQ(a.persistent.weights, z.persistent.weights);
