@@ -96,6 +96,21 @@ __global__ void norm_forward_kernel(E* out, float* mean, float* rstd, const E* i
                             [](float v) { return detail::warp_sum(v); });
 }
 
+// One VEC-column chunk of a row's input gradient: d = base + rs * (g * w - a - xhat * b) (base is the
+// residual gradient, or dinp itself to accumulate). Shared by the dinp kernel and the fused backward.
+template <typename E, int VEC>
+__device__ __forceinline__ void write_dinp_chunk(E* d, const E* base, const E* x, const E* g, const E* weight,
+                                                 int64_t c, float m, float rs, float a, float b) {
+  float xv[VEC], gv[VEC], wv[VEC], dv[VEC];
+  load<VEC>(xv, x, c);
+  load<VEC>(gv, g, c);
+  load<VEC>(wv, weight, c);
+  load<VEC>(dv, base, c);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) dv[k] += rs * (gv[k] * wv[k] - a - ((xv[k] - m) * rs) * b);
+  store<VEC>(d, c, dv);
+}
+
 template <typename E, int VEC, bool RMS>
 __global__ void norm_backward_dinp_kernel(E* dinp, const E* dout, const E* inp, const E* weight,
                                           const float* mean, const float* rstd, int64_t T, int64_t C,
@@ -123,16 +138,8 @@ __global__ void norm_backward_dinp_kernel(E* dinp, const E* dout, const E* inp, 
   const float b = detail::warp_sum(sum_dn_n) / static_cast<float>(C);
   E* d = dinp + t * C;
   const E* base = (dres ? dres : dinp) + t * C;  // what the gradient is added to
-  for (int64_t c = lane * VEC; c < C; c += 32 * VEC) {
-    float xv[VEC], gv[VEC], wv[VEC], dv[VEC];
-    load<VEC>(xv, x, c);
-    load<VEC>(gv, g, c);
-    load<VEC>(wv, weight, c);
-    load<VEC>(dv, base, c);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) dv[k] += rs * (gv[k] * wv[k] - a - ((xv[k] - m) * rs) * b);
-    store<VEC>(d, c, dv);
-  }
+  for (int64_t c = lane * VEC; c < C; c += 32 * VEC)
+    write_dinp_chunk<E, VEC>(d, base, x, g, weight, c, m, rs, a, b);
 }
 
 // bf16 rows of up to kFusedMaxChunks * 256 columns: dinp as norm_backward_dinp_kernel computes it, and in
@@ -189,14 +196,7 @@ __global__ void __launch_bounds__(32 * kWarps)
     for (int j = 0; j < CH; ++j) {
       const int64_t c = lane * VEC + j * SPAN;
       if (c >= C) break;
-      float xv[VEC], gv[VEC], wv[VEC], dv[VEC];
-      load<VEC>(xv, x, c);
-      load<VEC>(gv, g, c);
-      load<VEC>(wv, weight, c);
-      load<VEC>(dv, base, c);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) dv[k] += rs * (gv[k] * wv[k] - a - ((xv[k] - m) * rs) * b);
-      store<VEC>(d, c, dv);
+      write_dinp_chunk<E, VEC>(d, base, x, g, weight, c, m, rs, a, b);
     }
   }
   __shared__ float sm[kWarps][SPAN];
