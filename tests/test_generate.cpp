@@ -250,6 +250,77 @@ TEST(KvCache, RejectsOutOfOrderPositions) {
   EXPECT_THROW(cache.begin(mb, {0}), Error);
 }
 
+// Decode steps advanced in place (KvCache::advance + begin_ahead, what the GPU decode loop replays without
+// the host) attend exactly as decode steps prepared by begin() from host inputs: two caches, the same K/V/q
+// each step, outputs bit-equal; the advanced step inputs are the sampled tokens at the next positions.
+TEST(KvCache, AdvanceAheadEqualsBegin) {
+  const int64_t layers = 1, kv = 2, H = 4, D = 8, max_len = 12;
+  KvCache by_host(layers, 3, max_len, kv, D, DType::F32, Device::CPU);
+  KvCache ahead(layers, 3, max_len, kv, D, DType::F32, Device::CPU);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> val(-1.0f, 1.0f);
+  auto rand_t = [&](Shape sh) {
+    Tensor t = Tensor::empty(std::move(sh));
+    for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = val(rng);
+    return t;
+  };
+  // Slots 0 and 2 (slot 1 idle): prompts of 3 and 5 tokens, then 4 decode steps.
+  const std::vector<int64_t> slots = {0, 2};
+  std::vector<int64_t> len = {3, 5};
+  auto batch = [&](const std::vector<int64_t>& first, const std::vector<int64_t>& count) {
+    std::vector<int32_t> tok, pos, cu{0};
+    for (size_t s = 0; s < first.size(); ++s) {
+      for (int64_t t = 0; t < count[s]; ++t) {
+        tok.push_back(static_cast<int32_t>(10 + t));
+        pos.push_back(static_cast<int32_t>(first[s] + t));
+      }
+      cu.push_back(static_cast<int32_t>(tok.size()));
+    }
+    Microbatch mb;
+    const auto T = static_cast<int64_t>(tok.size());
+    mb.tokens = Tensor::from_vector(tok, {T});
+    mb.positions = Tensor::from_vector(pos, {T});
+    mb.cu_seqlens = Tensor::from_vector(cu, {static_cast<int64_t>(cu.size())});
+    mb.nseq = static_cast<int64_t>(first.size());
+    return mb;
+  };
+  auto attend = [&](KvCache& c, const Microbatch& mb, const Tensor& q, const Tensor& k, const Tensor& v) {
+    const int64_t T = mb.tokens.numel();
+    Tensor out = Tensor::empty({T, H, D}), lse = Tensor::empty({T, H});
+    c.attention_forward(0, mb, q, k, v, out, lse, 0.35f);
+    return out;
+  };
+  const Microbatch pre = batch({0, 0}, len);
+  const Tensor pq = rand_t({8, H, D}), pk = rand_t({8, kv, D}), pv = rand_t({8, kv, D});
+  by_host.begin(pre, slots);
+  ahead.begin(pre, slots);
+  attend(by_host, pre, pq, pk, pv);
+  attend(ahead, pre, pq, pk, pv);
+  Tensor tokens, positions;
+  for (int step = 0; step < 4; ++step) {
+    const Microbatch mb = batch(len, {1, 1});
+    by_host.begin(mb, slots);
+    if (step == 0) {
+      ahead.begin(mb, slots);
+      tokens = mb.tokens.clone();
+      positions = mb.positions.clone();
+    } else {
+      ahead.begin_ahead(slots);
+      EXPECT_EQ(positions.to_vector<int32_t>(), mb.positions.to_vector<int32_t>()) << step;
+    }
+    const Tensor q = rand_t({2, H, D}), k = rand_t({2, kv, D}), v = rand_t({2, kv, D});
+    const Tensor a = attend(by_host, mb, q, k, v), b = attend(ahead, mb, q, k, v);
+    for (int64_t i = 0; i < a.numel(); ++i) ASSERT_EQ(a.f32()[i], b.f32()[i]) << "step " << step << " " << i;
+    const Tensor sampled = Tensor::from_vector(std::vector<int32_t>{100 + step, 200 + step}, {2});
+    ahead.advance(tokens, positions, sampled);
+    EXPECT_EQ(tokens.to_vector<int32_t>(), sampled.to_vector<int32_t>());
+    for (auto& l : len) ++l;
+  }
+  EXPECT_EQ(ahead.length(0), by_host.length(0));
+  EXPECT_EQ(ahead.length(2), by_host.length(2));
+  EXPECT_THROW(ahead.begin_ahead({0}), Error);  // another set of slots needs begin()
+}
+
 // ---- sampler ----
 
 TEST(Sampler, GreedyTiesToSmallerId) {

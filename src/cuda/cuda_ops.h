@@ -213,6 +213,10 @@ void moe_gate_grad(float* dgates, const E* dout, const E* y, const int32_t* pos,
                    int64_t C, cudaStream_t stream = 0);
 
 // ---- row scatter (cuda_rows.cu): dst[rows[i]] = src[i] for i < n, rows of C elements; rows distinct ----
+// ops::decode_advance on the device (one thread per sequence; a row past pos_k's end is skipped, the
+// host twin's check).
+void decode_advance(int32_t* tokens, int32_t* positions, const int32_t* sampled, int32_t* rows,
+                    int32_t* pos_q, int32_t* pos_k, int64_t n, int64_t rows_k, cudaStream_t stream = 0);
 template <typename E>
 void scatter_rows(E* dst, const int32_t* rows, const E* src, int64_t n, int64_t C, cudaStream_t stream = 0);
 // dst(T, wa + wb + wc) = [a(T, wa) | b(T, wb) | c(T, wc)] row by row.

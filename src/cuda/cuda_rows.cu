@@ -58,6 +58,25 @@ template void concat_cols3<float>(float*, const float*, int64_t, const float*, i
 template void concat_cols3<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, int64_t, const __nv_bfloat16*,
                                           int64_t, const __nv_bfloat16*, int64_t, int64_t, cudaStream_t);
 
+__global__ void decode_advance_kernel(int32_t* tokens, int32_t* positions, const int32_t* sampled,
+                                      int32_t* rows, int32_t* pos_q, int32_t* pos_k, int64_t n,
+                                      int64_t rows_k) {
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (s >= n) return;
+  tokens[s] = sampled[s];
+  positions[s] += 1;
+  const int32_t r = ++rows[s], p = ++pos_q[s];
+  if (r >= 0 && r < rows_k) pos_k[r] = p;
+}
+
+void decode_advance(int32_t* tokens, int32_t* positions, const int32_t* sampled, int32_t* rows,
+                    int32_t* pos_q, int32_t* pos_k, int64_t n, int64_t rows_k, cudaStream_t stream) {
+  if (n == 0) return;
+  decode_advance_kernel<<<static_cast<unsigned>((n + 127) / 128), 128, 0, stream>>>(
+      tokens, positions, sampled, rows, pos_q, pos_k, n, rows_k);
+  NDT_CUDA_CHECK(cudaGetLastError());
+}
+
 template <typename E>
 void scatter_rows(E* dst, const int32_t* rows, const E* src, int64_t n, int64_t C, cudaStream_t stream) {
   if (n == 0 || C == 0) return;

@@ -7,7 +7,9 @@
 // a warp works on 32 / lanes_per_key keys at a time, the warps stride over the segment's visible keys,
 // each key slot keeps its own online-softmax state (base-2 exponent, fp32), and the states are merged at
 // the end (across the key slots of a warp by shuffles, across warps through shared memory).
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_kernel_utils.cuh"
@@ -65,9 +67,11 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, floa
 }
 
 // G (query heads per kv head) is a template parameter so that the per-head state stays in registers.
+// parts == nullptr: one part, out and lse written here. Otherwise parts holds per (row, split) the state
+// (m, l, acc[D]) of this block's keys, row = s * H + head, D + 2 floats each.
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kWarps * 32)
-    decode_kernel(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_k,
+    decode_kernel(T* out, float* lse, float* parts, const T* q, const T* k, const T* v, const int32_t* cu_k,
                   const int32_t* pos_q, const int32_t* pos_k, int H, int KV, float scale) {
   constexpr int LPK = D / 8;     // lanes per key
   constexpr int KPW = 32 / LPK;  // keys per warp at a time
@@ -85,7 +89,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int j = k0 + threadIdx.x; j < k1; j += blockDim.x) cnt += pos_k[j] <= pq;
   atomicAdd(&visible, cnt);  // integer: exact in any order
   __syncthreads();
-  const int kend = k0 + visible;
+  // This block's part of the visible keys [k0, k0 + visible).
+  const int splits = gridDim.z, per = (visible + splits - 1) / splits;
+  const int kbeg = k0 + min(visible, static_cast<int>(blockIdx.z) * per);
+  const int kend = k0 + min(visible, (static_cast<int>(blockIdx.z) + 1) * per);
   float qf[G][8];
 #pragma unroll
   for (int h = 0; h < G; ++h) {
@@ -103,7 +110,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   // kUnroll key groups per iteration: their loads are all issued before any is used (memory-level
   // parallelism; a decode step reads little per block, so latency, not bandwidth, bounds a lone load).
   constexpr int kStride = kWarps * KPW;
-  for (int base = k0 + warp * KPW; base < kend; base += kStride * kUnroll) {  // uniform per warp
+  for (int base = kbeg + warp * KPW; base < kend; base += kStride * kUnroll) {  // uniform per warp
     Raw8<T> kr[kUnroll], vr[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -171,6 +178,12 @@ __global__ void __launch_bounds__(kWarps * 32)
         a += sacc[w][h][d] * f;
       }
     const int64_t row = static_cast<int64_t>(s) * H + g * G + h;
+    if (parts) {
+      float* p = parts + (row * splits + blockIdx.z) * (D + 2);
+      p[2 + d] = a;
+      if (d == 0) p[0] = mm, p[1] = ll;
+      continue;
+    }
     if constexpr (sizeof(T) == 2)
       out[row * D + d] = __float2bfloat16_rn(ll > 0.0f ? a / ll : 0.0f);
     else
@@ -179,31 +192,63 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// Merges the parts of each (row, d) in split order: out = sum_z acc_z 2^(m_z - m) / sum_z l_z 2^(m_z - m).
+template <typename T, int D>
+__global__ void decode_combine_kernel(T* out, float* lse, const float* part, int64_t rows, int splits) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= rows * D) return;
+  const int64_t row = t / D;
+  const int d = static_cast<int>(t % D);
+  const float* p = part + row * splits * (D + 2);
+  float mm = -INFINITY;
+  for (int z = 0; z < splits; ++z) mm = fmaxf(mm, p[z * (D + 2)]);
+  float ll = 0.0f, a = 0.0f;
+  if (mm != -INFINITY)
+    for (int z = 0; z < splits; ++z) {
+      const float f = exp2f(p[z * (D + 2)] - mm);
+      ll += p[z * (D + 2) + 1] * f;
+      a += p[z * (D + 2) + 2 + d] * f;
+    }
+  if constexpr (sizeof(T) == 2)
+    out[t] = __float2bfloat16_rn(ll > 0.0f ? a / ll : 0.0f);
+  else
+    out[t] = ll > 0.0f ? a / ll : 0.0f;
+  if (d == 0) lse[row] = ll > 0.0f ? (mm + log2f(ll)) / kLog2e : -INFINITY;
+}
+
 template <typename T, int D, int G>
-void launch(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_k, const int32_t* pos_q,
-            const int32_t* pos_k, int64_t nseq, int64_t H, int64_t KV, float scale, cudaStream_t stream) {
+void launch(T* out, float* lse, float* part, int splits, const T* q, const T* k, const T* v,
+            const int32_t* cu_k, const int32_t* pos_q, const int32_t* pos_k, int64_t nseq, int64_t H,
+            int64_t KV, float scale, cudaStream_t stream) {
+  float* p = splits > 1 ? part : nullptr;
   decode_kernel<T, D, G>
-      <<<dim3(static_cast<unsigned>(nseq), static_cast<unsigned>(KV)), kWarps * 32, 0, stream>>>(
-          out, lse, q, k, v, cu_k, pos_q, pos_k, static_cast<int>(H), static_cast<int>(KV), scale);
+      <<<dim3(static_cast<unsigned>(nseq), static_cast<unsigned>(KV), static_cast<unsigned>(splits)),
+         kWarps * 32, 0, stream>>>(out, lse, p, q, k, v, cu_k, pos_q, pos_k, static_cast<int>(H),
+                                   static_cast<int>(KV), scale);
+  NDT_CUDA_CHECK(cudaGetLastError());
+  if (!p) return;
+  const int64_t n = nseq * H * D;
+  decode_combine_kernel<T, D>
+      <<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(out, lse, p, nseq * H, splits);
   NDT_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T, int D>
-bool launch_group(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_k,
-                  const int32_t* pos_q, const int32_t* pos_k, int64_t nseq, int64_t H, int64_t KV,
-                  float scale, cudaStream_t stream) {
+bool launch_group(T* out, float* lse, float* part, int splits, const T* q, const T* k, const T* v,
+                  const int32_t* cu_k, const int32_t* pos_q, const int32_t* pos_k, int64_t nseq, int64_t H,
+                  int64_t KV, float scale, cudaStream_t stream) {
   switch (H / KV) {
     case 1:
-      launch<T, D, 1>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
+      launch<T, D, 1>(out, lse, part, splits, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
       return true;
     case 2:
-      launch<T, D, 2>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
+      launch<T, D, 2>(out, lse, part, splits, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
       return true;
     case 4:
-      launch<T, D, 4>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
+      launch<T, D, 4>(out, lse, part, splits, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
       return true;
     case 8:
-      launch<T, D, 8>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
+      launch<T, D, 8>(out, lse, part, splits, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
       return true;
     default:
       return false;
@@ -215,23 +260,53 @@ bool launch_group(T* out, float* lse, const T* q, const T* k, const T* v, const 
 template <typename T>
 bool attention_decode(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_k,
                       const int32_t* pos_q, const int32_t* pos_k, int64_t nseq, int64_t H, int64_t KV,
-                      int64_t D, float scale, cudaStream_t stream) {
+                      int64_t D, float scale, cudaStream_t stream, int splits, int64_t rows_k) {
   if (nseq == 0) return true;
   if (KV <= 0 || H % KV != 0 || (D != 64 && D != 128)) return false;
   // 16-byte row loads need aligned rows (always so for D = 64/128 on allocator-aligned buffers).
   for (const void* p :
        {static_cast<const void*>(q), static_cast<const void*>(k), static_cast<const void*>(v)})
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return D == 64 ? launch_group<T, 64>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream)
-                 : launch_group<T, 128>(out, lse, q, k, v, cu_k, pos_q, pos_k, nseq, H, KV, scale, stream);
+  if (splits <= 0) splits = decode_splits(nseq, KV, rows_k);
+  detail::Scratch part(splits > 1 ? static_cast<size_t>(nseq * H * splits * (D + 2)) * sizeof(float) : 0,
+                       stream);
+  return D == 64 ? launch_group<T, 64>(out, lse, part.as<float>(), splits, q, k, v, cu_k, pos_q, pos_k, nseq,
+                                       H, KV, scale, stream)
+                 : launch_group<T, 128>(out, lse, part.as<float>(), splits, q, k, v, cu_k, pos_q, pos_k, nseq,
+                                        H, KV, scale, stream);
 }
 
 template bool attention_decode<float>(float*, float*, const float*, const float*, const float*,
                                       const int32_t*, const int32_t*, const int32_t*, int64_t, int64_t,
-                                      int64_t, int64_t, float, cudaStream_t);
+                                      int64_t, int64_t, float, cudaStream_t, int, int64_t);
 template bool attention_decode<__nv_bfloat16>(__nv_bfloat16*, float*, const __nv_bfloat16*,
                                               const __nv_bfloat16*, const __nv_bfloat16*, const int32_t*,
                                               const int32_t*, const int32_t*, int64_t, int64_t, int64_t,
-                                              int64_t, float, cudaStream_t);
+                                              int64_t, float, cudaStream_t, int, int64_t);
+
+int decode_splits(int64_t nseq, int64_t KV, int64_t rows_k) {
+  // NDT_DECODE_SPLITS=n fixes the number (1: one block per segment and kv head), for measurements.
+  static const int forced = [] {
+    const char* env = std::getenv("NDT_DECODE_SPLITS");
+    return env ? std::clamp(std::atoi(env), 0, 8) : 0;
+  }();
+  if (forced > 0) return forced;
+  // Split only when the (segment, kv head) blocks do not fill every SM once (a few long sequences): then
+  // into enough parts for two blocks per SM, up to 8 parts of at least 64 rows (one pass of the block over
+  // the keys). Measured on an H100
+  // (docs/performance.md): 4 sequences of 4096 rows, 32 blocks, take 147 us in one part and 34 us in 8;
+  // 64 sequences x 8 kv heads (512 blocks) are slower in any number of parts than in one (34 vs 39-62 us at
+  // 288 rows), the parts' extra prologue and merge costing more than the shorter key loop saves.
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    NDT_CUDA_CHECK(cudaGetDevice(&dev));
+    NDT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  const int64_t blocks = std::max<int64_t>(1, nseq * KV), per_seg = rows_k / std::max<int64_t>(1, nseq);
+  if (blocks >= sms) return 1;
+  const int64_t want = (2 * sms + blocks - 1) / blocks;
+  return static_cast<int>(std::clamp<int64_t>(std::min(want, per_seg / 64), 1, 8));
+}
 
 }  // namespace ndt::cuda

@@ -46,9 +46,14 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
 // the group's query heads, reading each cached row once. Returns false, launching nothing, for shapes it
 // does not take (H / KV not 1, 2, 4 or 8, D not 64 or 128, q/k/v not 16-byte aligned): use attention_forward
 // then.
+// splits > 1 divides each segment's visible keys into that many parts run by separate blocks and merged
+// by a second kernel (more loads in flight when nseq * KV blocks are few); 0 picks it from the device's SM
+// count and rows_k (the key rows of all segments; rows_k / nseq bounds a segment's visible keys).
 template <typename T>
 bool attention_decode(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_seqlens_k,
                       const int32_t* pos_q, const int32_t* pos_k, int64_t nseq, int64_t H, int64_t KV,
-                      int64_t D, float scale, cudaStream_t stream = 0);
+                      int64_t D, float scale, cudaStream_t stream = 0, int splits = 1, int64_t rows_k = 0);
+// The parts attention_decode takes when given splits = 0.
+int decode_splits(int64_t nseq, int64_t KV, int64_t rows_k);
 
 }  // namespace ndt::cuda

@@ -162,6 +162,35 @@ void memset_zero(void* p, size_t bytes) {
   if (bytes) NDT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream()));
 }
 
+PinnedBuffer::PinnedBuffer(size_t bytes) {
+  if (bytes) NDT_CUDA_CHECK(cudaMallocHost(&ptr_, bytes));
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (ptr_) cudaFreeHost(ptr_);
+}
+
+void copy_h2d_async(void* dst, const PinnedBuffer& src, size_t bytes) {
+  if (bytes) NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src.as<void>(), bytes, cudaMemcpyHostToDevice, stream()));
+}
+
+void copy_d2h_async(PinnedBuffer& dst, const void* src, size_t bytes) {
+  if (bytes) NDT_CUDA_CHECK(cudaMemcpyAsync(dst.as<void>(), src, bytes, cudaMemcpyDeviceToHost, stream()));
+}
+
+StreamEvent::StreamEvent() { NDT_CUDA_CHECK(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming)); }
+
+StreamEvent::~StreamEvent() {
+  if (ev_) cudaEventDestroy(ev_);
+}
+
+void StreamEvent::record() { NDT_CUDA_CHECK(cudaEventRecord(ev_, stream())); }
+
+void StreamEvent::wait() {
+  BlockingWait wait("device event", 1);
+  NDT_CUDA_CHECK(cudaEventSynchronize(ev_));
+}
+
 void synchronize() { sync_stream(stream()); }
 
 void sync_stream(cudaStream_t s) {

@@ -63,6 +63,40 @@ class Graph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
+// Page-locked host memory: copies between it and the device (copy_*_async) are asynchronous on stream(),
+// so the host can prepare the next inputs or read earlier results while the device works.
+class PinnedBuffer {
+ public:
+  explicit PinnedBuffer(size_t bytes);
+  ~PinnedBuffer();
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  template <typename P>
+  P* as() const {
+    return static_cast<P*>(ptr_);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+};
+void copy_h2d_async(void* dst, const PinnedBuffer& src, size_t bytes);
+void copy_d2h_async(PinnedBuffer& dst, const void* src, size_t bytes);
+
+// A point on stream(): record() marks the work enqueued so far, wait() blocks the host until that work is
+// done (a blocking wait the collective watchdog watches, as sync_stream).
+class StreamEvent {
+ public:
+  StreamEvent();
+  ~StreamEvent();
+  StreamEvent(const StreamEvent&) = delete;
+  StreamEvent& operator=(const StreamEvent&) = delete;
+  void record();
+  void wait();
+
+ private:
+  cudaEvent_t ev_ = nullptr;
+};
+
 // Device of this process: local rank (OMPI/SLURM/MPI env, else `fallback_rank`) modulo the device
 // count; sets it current and returns its index.
 int select_device(int fallback_rank);

@@ -129,14 +129,14 @@ struct Generator::Impl {
     record(choose_tokens(full_logits(acts, rows), sp.temperature, sp.top_k, sp.top_p, u), slots, live, sp);
   }
 
-  // The uniforms of the next token of each listed request.
+  // The uniforms of the next token of each listed request (`ahead`: of the token after the one in flight).
   static std::vector<double> uniforms(const std::vector<int64_t>& slots, const std::vector<Live>& live,
-                                      const SamplingParams& sp, int64_t gstep) {
+                                      const SamplingParams& sp, int64_t gstep, int64_t ahead = 0) {
     std::vector<double> u(slots.size());
     for (size_t s = 0; s < slots.size(); ++s) {
       const Live& l = live[static_cast<size_t>(slots[s])];
       u[s] = sampling_uniform(sp.seed, gstep, l.req->prompt_key, l.req->sample_key,
-                              static_cast<int64_t>(l.out.tokens.size()));
+                              static_cast<int64_t>(l.out.tokens.size()) + ahead);
     }
     return u;
   }
@@ -165,9 +165,27 @@ struct Generator::Impl {
   // step by number of sequences (a graph replays one step with a single launch instead of ~15 launches per
   // layer, which is what a decode step of small matrices is otherwise bound by).
   struct DeviceDecode {
+    explicit DeviceDecode(int64_t B) {
+      const Device cu = Device::CUDA;
+      tok = Tensor::empty({B}, DType::I32, cu);
+      pos = Tensor::empty({B}, DType::I32, cu);
+      tgt = Tensor::zeros({B}, DType::I32, cu);
+      u = Tensor::empty({B}, DType::F64, cu);
+      out_tok = Tensor::empty({B}, DType::I32, cu);
+      out_lp = Tensor::empty({B}, DType::F32, cu);
+      for (int i = 0; i < 2; ++i) {
+        h_u[i] = std::make_unique<cuda::PinnedBuffer>(static_cast<size_t>(B) * sizeof(double));
+        h_tok[i] = std::make_unique<cuda::PinnedBuffer>(static_cast<size_t>(B) * sizeof(int32_t));
+        h_lp[i] = std::make_unique<cuda::PinnedBuffer>(static_cast<size_t>(B) * sizeof(float));
+      }
+    }
     Tensor tok, pos, tgt, u, out_tok, out_lp;  // (B) each
     std::map<int64_t, std::unique_ptr<cuda::Graph>> graphs;
     int64_t last_n = -1;
+    // Host staging of two steps in flight: step t's uniforms go up and its choices come back through
+    // buffer t % 2 while the host reads step t - 1's from the other.
+    std::unique_ptr<cuda::PinnedBuffer> h_u[2], h_tok[2], h_lp[2];
+    cuda::StreamEvent done[2];
   };
 
   // Whether decode steps may be replayed from CUDA graphs: one GPU per replica (no TP collectives inside
@@ -177,14 +195,17 @@ struct Generator::Impl {
     return tp == 1 && !cfg.model.moe.enabled() && !(env && std::string(env) == "0");
   }
 
-  // A decode step on the GPU: like step(), but every device input lives in dd's fixed buffers and the
-  // tokens are sampled on the device into dd's outputs, so the whole step can be captured once and
-  // replayed; the second consecutive step with the same number of sequences captures it.
-  void step_device(KvCache& cache, const Microbatch& mb, const std::vector<int64_t>& slots,
-                   std::vector<Live>& live, const SamplingParams& sp, int64_t gstep, DeviceDecode& dd) {
+  // Enqueues a decode step on the GPU from host inputs: like step(), but every device input lives in dd's
+  // fixed buffers, the tokens are sampled on the device into dd's outputs and the step ends by advancing
+  // its inputs and the cache metadata to the next step's (KvCache::advance), so the whole step can be
+  // captured once and replayed; the second consecutive step with the same number of sequences captures it.
+  // Its choices come back into buffer `buf` (collect_device).
+  void launch_device(KvCache& cache, const Microbatch& mb, const std::vector<int64_t>& slots,
+                     const std::vector<Live>& live, const SamplingParams& sp, int64_t gstep, DeviceDecode& dd,
+                     int buf) {
     const int64_t n = mb.nseq;
     cache.begin(mb, slots);
-    const std::vector<double> u = uniforms(slots, live, sp, gstep);
+    const std::vector<double> u = uniforms(slots, live, sp, gstep, 0);
     Microbatch dev = mb;
     (dev.tokens = dd.tok.view_at(0, {n})).copy_from(mb.tokens);
     (dev.positions = dd.pos.view_at(0, {n})).copy_from(mb.positions);
@@ -196,6 +217,7 @@ struct Generator::Impl {
       Activations acts;  // allocated and freed inside the work (graph-owned memory under capture)
       model->forward(dev, Tensor(), acts);
       choose_tokens_on_device(out_tok, out_lp, acts.logits, sp.temperature, sp.top_k, sp.top_p, ud);
+      cache.advance(dev.tokens, dev.positions, out_tok);
     };
     std::unique_ptr<cuda::Graph>* g = nullptr;
     if (graphs_allowed() && n == dd.last_n) {
@@ -207,12 +229,93 @@ struct Generator::Impl {
     else
       work();
     dd.last_n = n;
-    const std::vector<int32_t> t = out_tok.to_vector<int32_t>();  // waits for the step
-    const std::vector<float> l = out_lp.to_vector<float>();
-    std::vector<TokenChoice> choice(static_cast<size_t>(n));
-    for (int64_t s = 0; s < n; ++s)
-      choice[static_cast<size_t>(s)] = {t[static_cast<size_t>(s)], l[static_cast<size_t>(s)]};
-    record(choice, slots, live, sp);
+    fetch_device(dd, n, buf);
+  }
+
+  // The next decode step of the same sequences, enqueued before the current one's tokens are known: its
+  // inputs are on the device already (KvCache::advance); only the uniforms go up.
+  void launch_device_ahead(KvCache& cache, const std::vector<int64_t>& slots, const std::vector<Live>& live,
+                           const SamplingParams& sp, int64_t gstep, DeviceDecode& dd, int buf) {
+    const int64_t n = static_cast<int64_t>(slots.size());
+    cache.begin_ahead(slots);
+    const std::vector<double> u = uniforms(slots, live, sp, gstep, 1);
+    std::copy(u.begin(), u.end(), dd.h_u[buf]->as<double>());
+    cuda::copy_h2d_async(dd.u.data<double>(), *dd.h_u[buf], static_cast<size_t>(n) * sizeof(double));
+    dd.graphs.at(n)->launch();
+    fetch_device(dd, n, buf);
+  }
+
+  static void fetch_device(DeviceDecode& dd, int64_t n, int buf) {
+    cuda::copy_d2h_async(*dd.h_tok[buf], dd.out_tok.i32(), static_cast<size_t>(n) * sizeof(int32_t));
+    cuda::copy_d2h_async(*dd.h_lp[buf], dd.out_lp.f32(), static_cast<size_t>(n) * sizeof(float));
+    dd.done[buf].record();
+  }
+
+  // Waits for the step whose choices come back in `buf` and records them, except for the sequences that
+  // finished before it (a step enqueued ahead may hold a sequence whose previous token was a stop: that
+  // row's work is discarded).
+  void collect_device(DeviceDecode& dd, int buf, const std::vector<int64_t>& slots, std::vector<Live>& live,
+                      const SamplingParams& sp) const {
+    dd.done[buf].wait();
+    std::vector<TokenChoice> choice;
+    std::vector<int64_t> kept;
+    for (size_t s = 0; s < slots.size(); ++s) {
+      if (live[static_cast<size_t>(slots[s])].done) continue;
+      kept.push_back(slots[s]);
+      choice.push_back({dd.h_tok[buf]->as<int32_t>()[s], dd.h_lp[buf]->as<float>()[s]});
+    }
+    record(choice, kept, live, sp);
+  }
+
+  // The decode steps of one batch on the GPU. With graphs, step t + 1 is enqueued before step t's tokens
+  // are read back (the GPU never waits for the host between steps), for the sequences that step t does
+  // not finish by length; a stop token found in step t's tokens discards that sequence's row of step t + 1.
+  // A change in the set of sequences, or no graph yet, waits for the step in flight and starts from host
+  // inputs. The tokens are those of the synchronous loop (same inputs, same kernels, same uniforms).
+  void decode_device(KvCache& cache, std::vector<Live>& live, const SamplingParams& sp, int64_t gstep,
+                     DeviceDecode& dd) {
+    const int64_t ctx = cfg.model.max_seq_len;
+    const char* env = std::getenv("NDT_GEN_PIPELINE");  // 0: wait for every step's tokens (measurements)
+    const bool pipelined = graphs_allowed() && !(env && std::string(env) == "0");
+    std::vector<int64_t> flying;  // slots of the step in flight, its choices in buffer `buf`
+    int buf = 0;
+    for (;;) {
+      std::vector<int64_t> next;
+      for (int64_t s = 0; s < static_cast<int64_t>(live.size()); ++s) {
+        const Live& l = live[static_cast<size_t>(s)];
+        if (l.done) continue;
+        const int64_t i = static_cast<int64_t>(l.out.tokens.size());  // index of the token in flight
+        if (!flying.empty() &&
+            (i + 1 >= sp.max_new_tokens || static_cast<int64_t>(l.req->prompt.size()) + i + 1 > ctx))
+          continue;  // the step in flight gives its last token
+        next.push_back(s);
+      }
+      const int64_t n = static_cast<int64_t>(next.size());
+      const auto g = dd.graphs.find(n);
+      if (pipelined && !flying.empty() && next == flying && g != dd.graphs.end() && g->second) {
+        launch_device_ahead(cache, next, live, sp, gstep, dd, buf ^ 1);
+        collect_device(dd, buf, flying, live, sp);
+        buf ^= 1;
+        continue;
+      }
+      if (!flying.empty()) {
+        collect_device(dd, buf, flying, live, sp);
+        flying.clear();
+        continue;
+      }
+      if (next.empty()) break;
+      std::vector<int64_t> first;
+      std::vector<std::vector<int32_t>> last;
+      for (int64_t s : next) {
+        first.push_back(cache.length(s));
+        last.push_back({live[static_cast<size_t>(s)].out.tokens.back()});
+      }
+      std::vector<const std::vector<int32_t>*> toks;
+      for (const auto& t : last) toks.push_back(&t);
+      buf ^= 1;
+      launch_device(cache, cached_batch(toks, first), next, live, sp, gstep, dd, buf);
+      flying = next;
+    }
   }
 #endif
 
@@ -243,16 +346,7 @@ struct Generator::Impl {
       model->set_kv_cache(&cache);
 #ifdef NDT_HAVE_CUDA
       std::unique_ptr<DeviceDecode> dd;
-      if (model->params().device() == Device::CUDA && tp == 1) {
-        dd = std::make_unique<DeviceDecode>();
-        const Device cu = Device::CUDA;
-        dd->tok = Tensor::empty({B}, DType::I32, cu);
-        dd->pos = Tensor::empty({B}, DType::I32, cu);
-        dd->tgt = Tensor::zeros({B}, DType::I32, cu);
-        dd->u = Tensor::empty({B}, DType::F64, cu);
-        dd->out_tok = Tensor::empty({B}, DType::I32, cu);
-        dd->out_lp = Tensor::empty({B}, DType::F32, cu);
-      }
+      if (model->params().device() == Device::CUDA && tp == 1) dd = std::make_unique<DeviceDecode>(B);
 #endif
       try {
         // Prefill: whole prompts, several per forward up to the token budget.
@@ -271,6 +365,9 @@ struct Generator::Impl {
           s0 += static_cast<int64_t>(slots.size());
         }
         // Decode: the last token of every unfinished request, one forward per new token.
+#ifdef NDT_HAVE_CUDA
+        if (dd && sp.max_new_tokens > 0) decode_device(cache, live, sp, gstep, *dd);
+#endif
         for (;;) {
           std::vector<int64_t> slots, first;
           std::vector<std::vector<int32_t>> last;
@@ -284,12 +381,6 @@ struct Generator::Impl {
           if (slots.empty()) break;
           std::vector<const std::vector<int32_t>*> toks;
           for (const auto& t : last) toks.push_back(&t);
-#ifdef NDT_HAVE_CUDA
-          if (dd) {
-            step_device(cache, cached_batch(toks, first), slots, live, sp, gstep, *dd);
-            continue;
-          }
-#endif
           step(cache, cached_batch(toks, first), slots, live, sp, gstep);
         }
       } catch (...) {

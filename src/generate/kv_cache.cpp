@@ -57,6 +57,7 @@ void KvCache::begin(const Microbatch& mb, const std::vector<int64_t>& slots) {
   // Uploaded once per forward (the ops would otherwise upload host metadata once per layer). A decode
   // forward writes into buffers allocated once per cache, so its metadata keeps its device addresses from
   // step to step (what a CUDA graph of the decode step needs).
+  slots_now_ = slots;
   if (decode_) {
     const int64_t n = mb.nseq;
     if (!dec_pos_k_.defined()) {
@@ -77,6 +78,24 @@ void KvCache::begin(const Microbatch& mb, const std::vector<int64_t>& slots) {
   dst_rows_ = Tensor::from_vector(dst_rows, {mb.num_tokens()}).to(dev_);
   cu_q_ = mb.cu_seqlens.to(dev_);
   pos_q_ = mb.positions.to(dev_);
+}
+
+void KvCache::advance(Tensor& tokens, Tensor& positions, const Tensor& sampled) {
+  NDT_CHECK(decode_ && tokens.numel() == static_cast<int64_t>(slots_now_.size()),
+            "KV cache: advance() needs a decode forward of {} sequences, this one has {}", tokens.numel(),
+            slots_now_.size());
+  ops::decode_advance(tokens, positions, sampled, dst_rows_, pos_q_, pos_k_);
+}
+
+void KvCache::begin_ahead(const std::vector<int64_t>& slots) {
+  NDT_CHECK(decode_ && slots == slots_now_,
+            "KV cache: begin_ahead() continues the last decode forward's slots; begin() is needed here");
+  for (int64_t b : slots) {
+    int64_t& len = len_[static_cast<size_t>(b)];
+    NDT_CHECK(len + 1 <= max_len_, "KV cache: slot {} holds {} of {} rows, 1 more does not fit", b, len,
+              max_len_);
+    ++len;
+  }
 }
 
 void KvCache::attention_forward(int64_t layer, const Microbatch& mb, const Tensor& q, const Tensor& k,

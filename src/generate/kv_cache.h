@@ -27,6 +27,12 @@ class KvCache final : public KvHooks {
   // slot lengths and prepares the attention metadata of this forward. A decode forward (one row per
   // sequence) keeps its metadata at the same device addresses every time.
   void begin(const Microbatch& mb, const std::vector<int64_t>& slots);
+  // Decode steps prepared on the device: advance() (inside a decode forward's work, after sampling) moves
+  // this forward's inputs and cache metadata one row further (ops::decode_advance: tokens = sampled,
+  // positions + 1); begin_ahead() then stands for begin() of the next decode forward of the same slots,
+  // checking and advancing the slot lengths on the host without uploading anything.
+  void advance(Tensor& tokens, Tensor& positions, const Tensor& sampled);
+  void begin_ahead(const std::vector<int64_t>& slots);
   void attention_forward(int64_t layer, const Microbatch& mb, const Tensor& q, const Tensor& k,
                          const Tensor& v, Tensor& out, Tensor& lse, float scale) override;
   int64_t length(int64_t slot) const { return len_.at(static_cast<size_t>(slot)); }
@@ -41,6 +47,7 @@ class KvCache final : public KvHooks {
   bool decode_ = false;                                 // this forward has one new row per sequence
   Tensor dst_rows_, cu_q_, cu_k_, pos_q_, pos_k_;       // dst_rows_: the cache row of each microbatch row
   Tensor dec_rows_, dec_cu_k_, dec_pos_q_, dec_pos_k_;  // decode forwards' metadata (fixed addresses)
+  std::vector<int64_t> slots_now_;                      // the slots of this forward
 };
 
 }  // namespace ndt

@@ -410,7 +410,7 @@ void attention_decode(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k
       done = cuda::attention_decode<E>(dp<E>(out, "att out"), dp<float>(lse, "att lse"), dp<E>(q, "q"),
                                        dp<E>(k, "k"), dp<E>(v, "v"), dev_meta<int32_t>(cu_k, k1),
                                        dev_meta<int32_t>(pos_q, k2), dev_meta<int32_t>(pos_k, k3), nseq,
-                                       q.size(1), k.size(1), q.size(2), scale, st());
+                                       q.size(1), k.size(1), q.size(2), scale, st(), /*splits=*/0, k.size(0));
     });
     if (done) return;
   }
@@ -434,6 +434,30 @@ void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, 
   cpu::attention_backward(dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(), out.f32(),
                           lse.f32(), cu_q.i32(), cu_k.i32(), pos_q.i32(), pos_k.i32(), cu_q.numel() - 1,
                           q.size(0), k.size(0), q.size(1), k.size(1), q.size(2), scale);
+}
+
+void decode_advance(Tensor& tokens, Tensor& positions, const Tensor& sampled, Tensor& rows, Tensor& pos_q,
+                    Tensor& pos_k) {
+  const int64_t n = tokens.numel();
+  for (const Tensor* t :
+       std::initializer_list<const Tensor*>{&tokens, &positions, &sampled, &rows, &pos_q, &pos_k})
+    NDT_CHECK(t->dtype() == DType::I32 && t->device() == tokens.device() && (t == &pos_k || t->numel() == n),
+              "decode_advance: {} sequences, got a {} {} tensor of {} elements", n, dtype_name(t->dtype()),
+              device_name(t->device()), t->numel());
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(tokens)) {
+    cuda::decode_advance(tokens.i32(), positions.i32(), sampled.i32(), rows.i32(), pos_q.i32(), pos_k.i32(),
+                         n, pos_k.numel(), st());
+    return;
+  }
+#endif
+  for (int64_t s = 0; s < n; ++s) {
+    tokens.i32()[s] = sampled.i32()[s];
+    positions.i32()[s] += 1;
+    const int32_t r = ++rows.i32()[s], p = ++pos_q.i32()[s];
+    NDT_CHECK(r >= 0 && r < pos_k.numel(), "decode_advance: cache row {} outside {} rows", r, pos_k.numel());
+    pos_k.i32()[r] = p;
+  }
 }
 
 void scatter_rows(Tensor& dst, const Tensor& rows, const Tensor& src) {

@@ -74,6 +74,12 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& 
 // reads each cached K/V row once for all query heads of its group (flash kernel where it does not apply).
 void attention_decode(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                       const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k, float scale);
+// After a decode step of n sequences (every tensor I32 on one device; n elements except pos_k), in place:
+// tokens = sampled, positions += 1, rows += 1, pos_q += 1, then pos_k[rows[s]] = pos_q[s]. That is the
+// next decode step's input and the KV cache metadata KvCache::begin would build for it, made where they
+// live (on a GPU without the host, so the next step can be launched before this one's tokens come back).
+void decode_advance(Tensor& tokens, Tensor& positions, const Tensor& sampled, Tensor& rows, Tensor& pos_q,
+                    Tensor& pos_k);
 void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                         const Tensor& cu_q, const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k,
