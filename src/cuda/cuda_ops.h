@@ -109,10 +109,11 @@ template <typename E>
 void rope_forward(E* out, const E* inp, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta,
                   cudaStream_t stream = 0);
 // The fused q/k/v projection (T, (H + 2 KV) * D), rows [q | k | v], split into q (T, H, D) and k (T, KV, D),
-// both rotated as by rope_forward, and v (T, KV, D) copied.
+// both rotated as by rope_forward, and v (T, KV, D) copied. With kv_rows (T), token t's k and v go to row
+// kv_rows[t] of k and v (a KV cache) instead of row t.
 template <typename E>
 void qkv_split_rope(E* q, E* k, E* v, const E* qkv, const int32_t* pos, int64_t T, int64_t H, int64_t KV,
-                    int64_t D, float theta, cudaStream_t stream = 0);
+                    int64_t D, float theta, cudaStream_t stream = 0, const int32_t* kv_rows = nullptr);
 // dinp += inverse rotation of dout (dinp == dout is NOT allowed: it accumulates).
 template <typename E>
 void rope_backward(E* dinp, const E* dout, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta,

@@ -10,7 +10,8 @@ namespace {
 using detail::from_f;
 using detail::to_f;
 
-// cs_sn[i] = cos(pos * theta^(-2i/D)), cs_sn[D/2 + i] = sign * sin(...), by the whole block, which then syncs.
+// cs_sn[i] = cos(pos * theta^(-2i/D)), cs_sn[D/2 + i] = sign * sin(...), by the whole block, which then
+// syncs.
 __device__ void rope_angles(float* cs_sn, int32_t pos, int64_t D, double log_theta, float sign) {
   const int64_t half = D / 2;
   for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
@@ -52,24 +53,24 @@ __global__ void rope_kernel(E* out, const E* inp, const int32_t* pos, int64_t H,
 // One block per token: its row of the fused projection [q (H*D) | k (KV*D) | v (KV*D)] becomes the rows of
 // q and k, rotated with the same angles as rope_kernel, and of v, copied.
 template <typename E>
-__global__ void qkv_split_rope_kernel(E* q, E* k, E* v, const E* qkv, const int32_t* pos, int64_t H,
-                                      int64_t KV, int64_t D, double log_theta) {
+__global__ void qkv_split_rope_kernel(E* q, E* k, E* v, const E* qkv, const int32_t* pos, const int32_t* rows,
+                                      int64_t H, int64_t KV, int64_t D, double log_theta) {
   extern __shared__ float cs_sn[];
-  const int64_t t = blockIdx.x;
+  const int64_t t = blockIdx.x, r = rows ? rows[t] : t;  // r: the k/v row of token t
   const int64_t half = D / 2;
   rope_angles(cs_sn, pos[t], D, log_theta, 1.0f);
   const E* x = qkv + t * (H + 2 * KV) * D;
   for (int64_t idx = threadIdx.x; idx < (H + KV) * half; idx += blockDim.x) {
     const int64_t h = idx / half, i = idx - h * half;
     const int64_t j = h * D + i;
-    E* o = h < H ? q + t * H * D + j : k + t * KV * D + (j - H * D);
+    E* o = h < H ? q + t * H * D + j : k + r * KV * D + (j - H * D);
     const float x1 = to_f(x[j]), x2 = to_f(x[j + half]);
     const float c = cs_sn[i], s = cs_sn[half + i];
     o[0] = from_f<E>(x1 * c - x2 * s);
     o[half] = from_f<E>(x2 * c + x1 * s);
   }
   for (int64_t idx = threadIdx.x; idx < KV * D; idx += blockDim.x)
-    v[t * KV * D + idx] = x[(H + KV) * D + idx];
+    v[r * KV * D + idx] = x[(H + KV) * D + idx];
 }
 
 template <typename E, bool ACCUMULATE>
@@ -101,20 +102,20 @@ void rope_backward(E* dinp, const E* dout, const int32_t* pos, int64_t T, int64_
 
 template <typename E>
 void qkv_split_rope(E* q, E* k, E* v, const E* qkv, const int32_t* pos, int64_t T, int64_t H, int64_t KV,
-                    int64_t D, float theta, cudaStream_t stream) {
+                    int64_t D, float theta, cudaStream_t stream, const int32_t* kv_rows) {
   if (T <= 0) return;
   NDT_CUDA_REQUIRE(D % 2 == 0, "qkv_split_rope: the head dim must be even");
   const int block =
       static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, ((H + KV) * D / 2 + 31) / 32 * 32)));
   const size_t smem = sizeof(float) * static_cast<size_t>(D);
   qkv_split_rope_kernel<E><<<static_cast<unsigned>(T), block, smem, stream>>>(
-      q, k, v, qkv, pos, H, KV, D, log(static_cast<double>(theta)));
+      q, k, v, qkv, pos, kv_rows, H, KV, D, log(static_cast<double>(theta)));
   NDT_CUDA_CHECK_LAUNCH();
 }
 
 #define NDT_INSTANTIATE(E)                                                                                  \
   template void qkv_split_rope<E>(E*, E*, E*, const E*, const int32_t*, int64_t, int64_t, int64_t, int64_t, \
-                                  float, cudaStream_t);                                                     \
+                                  float, cudaStream_t, const int32_t*);                                     \
   template void rope_forward<E>(E*, const E*, const int32_t*, int64_t, int64_t, int64_t, float,             \
                                 cudaStream_t);                                                              \
   template void rope_backward<E>(E*, const E*, const int32_t*, int64_t, int64_t, int64_t, float,            \

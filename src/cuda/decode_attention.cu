@@ -20,7 +20,7 @@ namespace {
 
 using detail::to_f;
 constexpr int kWarps = 4;
-constexpr int kUnroll = 4;  // key groups whose loads are in flight together
+constexpr int kUnroll = 2;  // key groups whose loads are in flight together
 
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -70,7 +70,9 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, floa
 // parts == nullptr: one part, out and lse written here. Otherwise parts holds per (row, split) the state
 // (m, l, acc[D]) of this block's keys, row = s * H + head, D + 2 floats each.
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(kWarps * 32)
+// At most 128 registers (4 blocks per SM): 64 sequences x 8 kv heads then fit in one round (at 153
+// registers, 3 blocks per SM, 512 blocks took 1.3 rounds; 23% occupancy); with kUnroll 2 nothing spills.
+__global__ void __launch_bounds__(kWarps * 32, 4)
     decode_kernel(T* out, float* lse, float* parts, const T* q, const T* k, const T* v, const int32_t* cu_k,
                   const int32_t* pos_q, const int32_t* pos_k, int H, int KV, float scale) {
   constexpr int LPK = D / 8;     // lanes per key
@@ -292,11 +294,10 @@ int decode_splits(int64_t nseq, int64_t KV, int64_t rows_k) {
   }();
   if (forced > 0) return forced;
   // Split only when the (segment, kv head) blocks do not fill every SM once (a few long sequences): then
-  // into enough parts for two blocks per SM, up to 8 parts of at least 64 rows (one pass of the block over
-  // the keys). Measured on an H100
-  // (docs/performance.md): 4 sequences of 4096 rows, 32 blocks, take 147 us in one part and 34 us in 8;
-  // 64 sequences x 8 kv heads (512 blocks) are slower in any number of parts than in one (34 vs 39-62 us at
-  // 288 rows), the parts' extra prologue and merge costing more than the shorter key loop saves.
+  // into enough parts for two blocks per SM, up to 8 parts of at least 64 rows each. Measured on an H100
+  // (docs/performance.md): 4 sequences of 4096 rows (32 blocks) take 171 us in one part and 39 us in 8,
+  // while 64 sequences x 8 kv heads (512 blocks) are slower in any number of parts than in one, the parts'
+  // extra prologue and merge costing more than the shorter key loop saves.
   static const int sms = [] {
     int dev = 0, n = 0;
     NDT_CUDA_CHECK(cudaGetDevice(&dev));

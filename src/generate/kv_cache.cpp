@@ -98,18 +98,28 @@ void KvCache::begin_ahead(const std::vector<int64_t>& slots) {
   }
 }
 
+bool KvCache::store_target(int64_t layer, Tensor& K, Tensor& V, Tensor& rows) {
+  NDT_CHECK(dst_rows_.defined(), "KV cache: begin() was not called for this forward");
+  K = k_.at(static_cast<size_t>(layer));
+  V = v_.at(static_cast<size_t>(layer));
+  rows = dst_rows_;
+  return true;
+}
+
 void KvCache::attention_forward(int64_t layer, const Microbatch& mb, const Tensor& q, const Tensor& k,
                                 const Tensor& v, Tensor& out, Tensor& lse, float scale) {
   Tensor& K = k_.at(static_cast<size_t>(layer));
   Tensor& V = v_.at(static_cast<size_t>(layer));
-  NDT_CHECK(
-      k.dtype() == K.dtype() && k.device() == K.device() && k.numel() / k.size(0) == K.numel() / K.size(0),
-      "KV cache: layer {} keys {} {} do not match the cache", layer, shape_str(k.shape()),
-      dtype_name(k.dtype()));
   NDT_CHECK(dst_rows_.defined() && dst_rows_.numel() == mb.num_tokens(),
             "KV cache: begin() was not called for this forward");
-  ops::scatter_rows(K, dst_rows_, k);  // one launch per tensor, whatever the number of sequences
-  ops::scatter_rows(V, dst_rows_, v);
+  if (k.defined()) {  // otherwise the model wrote them at store_target's rows
+    NDT_CHECK(
+        k.dtype() == K.dtype() && k.device() == K.device() && k.numel() / k.size(0) == K.numel() / K.size(0),
+        "KV cache: layer {} keys {} {} do not match the cache", layer, shape_str(k.shape()),
+        dtype_name(k.dtype()));
+    ops::scatter_rows(K, dst_rows_, k);  // one launch per tensor, whatever the number of sequences
+    ops::scatter_rows(V, dst_rows_, v);
+  }
   if (decode_)  // one new row per sequence: the decode kernel reads each cached row once per kv head
     ops::attention_decode(out, lse, q, K, V, cu_k_, pos_q_, pos_k_, scale);
   else

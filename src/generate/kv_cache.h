@@ -35,6 +35,7 @@ class KvCache final : public KvHooks {
   void begin_ahead(const std::vector<int64_t>& slots);
   void attention_forward(int64_t layer, const Microbatch& mb, const Tensor& q, const Tensor& k,
                          const Tensor& v, Tensor& out, Tensor& lse, float scale) override;
+  bool store_target(int64_t layer, Tensor& K, Tensor& V, Tensor& rows) override;
   int64_t length(int64_t slot) const { return len_.at(static_cast<size_t>(slot)); }
   int64_t max_len() const { return max_len_; }
 

@@ -16,8 +16,16 @@ namespace ndt {
 class KvHooks {
  public:
   virtual ~KvHooks() = default;
+  // k and v undefined: this forward's keys/values are in the cache already, written by the model at the
+  // rows store_target gave.
   virtual void attention_forward(int64_t layer, const Microbatch& mb, const Tensor& q, const Tensor& k,
                                  const Tensor& v, Tensor& out, Tensor& lse, float scale) = 0;
+  // Where this forward's keys/values of `layer` go, so the model can write them there directly (the q/k/v
+  // split writes rows[t] of K and V for token t) instead of handing them to attention_forward: false when
+  // the hook stores them itself.
+  virtual bool store_target(int64_t /*layer*/, Tensor& /*K*/, Tensor& /*V*/, Tensor& /*rows*/) {
+    return false;
+  }
 };
 
 }  // namespace ndt

@@ -246,7 +246,14 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   if (wqkv.defined()) {
     Tensor qkv = act({T, (heads_local_ + 2 * kv_local_) * D});
     ops::linear_forward(qkv, a.a_in, wqkv, nullptr);
-    ops::qkv_split_rope(a.q, a.k, a.v, qkv, mb.positions, theta);
+    Tensor kc, vc, rows;
+    if (kv_ && kv_->store_target(l, kc, vc, rows)) {  // k and v straight into the cache: no separate store
+      ops::qkv_split_rope(a.q, kc, vc, qkv, mb.positions, theta, &rows);
+      a.k = Tensor();
+      a.v = Tensor();
+    } else {
+      ops::qkv_split_rope(a.q, a.k, a.v, qkv, mb.positions, theta);
+    }
   } else {
     ops::linear_forward(a.q, a.a_in, p(pre + "attn.wq.weight").compute_value(), bias(pre + "attn.wq.bias"));
     ops::linear_forward(a.k, a.a_in, p(pre + "attn.wk.weight").compute_value(), bias(pre + "attn.wk.bias"));

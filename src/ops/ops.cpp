@@ -267,13 +267,26 @@ void rope_forward(Tensor& x, const Tensor& pos, float theta) {
   cpu::rope_forward(x.f32(), x.f32(), pos.i32(), x.size(0), x.size(1), x.size(2), theta);
 }
 
-void qkv_split_rope(Tensor& q, Tensor& k, Tensor& v, const Tensor& qkv, const Tensor& pos, float theta) {
+void qkv_split_rope(Tensor& q, Tensor& k, Tensor& v, const Tensor& qkv, const Tensor& pos, float theta,
+                    const Tensor* kv_rows) {
   const int64_t T = q.size(0), H = q.size(1), KV = k.size(1), D = q.size(2);
   require_shape(qkv, {T, (H + 2 * KV) * D}, "qkv_split_rope qkv");
-  NDT_ON_CUDA(qkv, Tensor pk;
-              cuda::qkv_split_rope<E>(dp<E>(q, "q"), dp<E>(k, "k"), dp<E>(v, "v"), dp<E>(qkv, "qkv"),
-                                      dev_meta<int32_t>(pos, pk), T, H, KV, D, theta, st()));
+  NDT_CHECK(kv_rows ? kv_rows->numel() == T && kv_rows->dtype() == DType::I32 && k.dim() == 3 &&
+                          v.shape() == k.shape()
+                    : k.size(0) == T && v.size(0) == T,
+            "qkv_split_rope: k {} and v {} for {} tokens{}", shape_str(k.shape()), shape_str(v.shape()), T,
+            kv_rows ? " stored by row" : "");
+  NDT_ON_CUDA(qkv, Tensor pk; Tensor rk; cuda::qkv_split_rope<E>(
+                  dp<E>(q, "q"), dp<E>(k, "k"), dp<E>(v, "v"), dp<E>(qkv, "qkv"), dev_meta<int32_t>(pos, pk),
+                  T, H, KV, D, theta, st(), kv_rows ? dev_meta<int32_t>(*kv_rows, rk) : nullptr));
   require_cpu(qkv, "qkv_split_rope");
+  if (kv_rows) {  // the host twin: split into fresh rows, then store them
+    Tensor kt = Tensor::empty({T, KV, D}), vt = Tensor::empty({T, KV, D});
+    qkv_split_rope(q, kt, vt, qkv, pos, theta);
+    scatter_rows(k, *kv_rows, kt);
+    scatter_rows(v, *kv_rows, vt);
+    return;
+  }
   const float* x = qkv.f32();
   const int64_t W = (H + 2 * KV) * D;
   for (int64_t t = 0; t < T; ++t) {

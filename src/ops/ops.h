@@ -50,8 +50,10 @@ void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const T
 void rope_forward(Tensor& x, const Tensor& pos, float theta);
 void rope_backward(Tensor& dx, const Tensor& pos, float theta);
 // A fused q/k/v projection qkv(T, (H + 2 KV) D), rows [q | k | v], split into q(T, H, D) and k(T, KV, D),
-// rotated by positions pos(T), and v(T, KV, D) (decode steps: one matmul instead of three).
-void qkv_split_rope(Tensor& q, Tensor& k, Tensor& v, const Tensor& qkv, const Tensor& pos, float theta);
+// rotated by positions pos(T), and v(T, KV, D) (decode steps: one matmul instead of three). With kv_rows
+// (T, I32), k and v are a KV cache's (R, KV, D) and token t's rows are written at row kv_rows[t].
+void qkv_split_rope(Tensor& q, Tensor& k, Tensor& v, const Tensor& qkv, const Tensor& pos, float theta,
+                    const Tensor* kv_rows = nullptr);
 // The inverse of the split without the rotation: qkv(T, (H + 2 KV) D) = [q | k | v] row by row (their
 // gradients as one operand of the fused q/k/v matmul's backward).
 void qkv_merge(Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v);

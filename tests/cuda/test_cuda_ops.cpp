@@ -414,6 +414,22 @@ TYPED_TEST(CudaOps, QkvSplitRopeAndFusedSwiglu) {
   expect_close<E>("qkv_split_rope q", q.get(), rq);
   expect_close<E>("qkv_split_rope k", k.get(), rk);
   expect_close<E>("qkv_split_rope v", v.get(), rv);
+  // Stored by row into a KV cache of 3T rows (row 3t + 1 for token t; the other rows keep their values).
+  std::vector<int32_t> rows(T);
+  for (int64_t t = 0; t < T; ++t) rows[t] = static_cast<int32_t>(3 * t + 1);
+  const Vec cache0 = rounded<E>(randv(3 * T * KV * D, 73));
+  Dev<E> kc(cache0), vc(cache0), q2(T * H * D);
+  DevI drows(rows);
+  ndt::cuda::qkv_split_rope<E>(q2.p, kc.p, vc.p, dqkv.p, dpos.p, T, H, KV, D, 10000.f, 0, drows.p);
+  Vec rkc = cache0, rvc = cache0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < KV * D; ++j) {
+      rkc[(3 * t + 1) * KV * D + j] = rk[t * KV * D + j];
+      rvc[(3 * t + 1) * KV * D + j] = rv[t * KV * D + j];
+    }
+  expect_close<E>("qkv_split_rope q (k/v stored by row)", q2.get(), rq);
+  expect_close<E>("qkv_split_rope k stored by row", kc.get(), rkc);
+  expect_close<E>("qkv_split_rope v stored by row", vc.get(), rvc);
   const Vec h13 = rounded<E>(randv(T * 2 * F, 72));
   Dev<E> dh(h13), out(T * F);
   ndt::cuda::swiglu_forward_fused<E>(out.p, dh.p, T, F);
