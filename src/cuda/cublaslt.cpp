@@ -353,8 +353,9 @@ constexpr DType dtype_of() {
 
 template <typename E>
 void linear_forward(E* out, const E* inp, const E* weight, const E* bias, int64_t T, int64_t IC, int64_t OC,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, bool accumulate) {
   if (T <= 0 || OC <= 0) return;
+  NDT_CHECK(!accumulate || IC > 0, "linear_forward: accumulating an empty product");
   constexpr DType dt = dtype_of<E>();
   if (IC == 0) {  // out = bias (or 0), as on CPU
     if (bias)
@@ -364,7 +365,8 @@ void linear_forward(E* out, const E* inp, const E* weight, const E* bias, int64_
     return;
   }
   // out(T, OC) = inp(T, IC) @ weight(OC, IC)^T + bias
-  gemm(dt, dt, false, true, T, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC, bias, stream);
+  gemm(dt, dt, false, true, T, OC, IC, 1.0f, inp, IC, weight, IC, accumulate ? 1.0f : 0.0f, out, OC, bias,
+       stream);
 }
 
 template <typename E>
@@ -402,10 +404,10 @@ bool linear_dgelu_backward(__nv_bfloat16* dpre, const __nv_bfloat16* dout, const
                    IC, nullptr, const_cast<__nv_bfloat16*>(pre), IC, stream);
 }
 
-#define NDT_INSTANTIATE(E)                                                                             \
-  template void linear_forward<E>(E*, const E*, const E*, const E*, int64_t, int64_t, int64_t,         \
-                                  cudaStream_t);                                                       \
-  template void linear_backward<E>(E*, float*, float*, const E*, const E*, const E*, int64_t, int64_t, \
+#define NDT_INSTANTIATE(E)                                                                                   \
+  template void linear_forward<E>(E*, const E*, const E*, const E*, int64_t, int64_t, int64_t, cudaStream_t, \
+                                  bool);                                                                     \
+  template void linear_backward<E>(E*, float*, float*, const E*, const E*, const E*, int64_t, int64_t,       \
                                    int64_t, cudaStream_t, bool);
 NDT_INSTANTIATE(float)
 NDT_INSTANTIATE(__nv_bfloat16)

@@ -290,8 +290,13 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   // The residual add (with the bias after the TP reduction) and the MLP norm in one pass.
   add_norm_forward(pre + "mlp_norm", x, o, bias(pre + "attn.wo.bias"), a.h, a.n2, a.n2_mean, a.n2_rstd);
   auto it = moe_.find(l);
-  if (it == moe_.end())
+  if (it == moe_.end()) {
+    // Cached (inference) forwards on one TP rank: the residual add inside the down projection's matmul
+    // (h is kept for no backward, so the product accumulates into it).
+    if (kv_ && tp_->size() == 1 && !bias(pre + "mlp.proj.bias"))
+      return mlp_forward(pre + "mlp.", ffn_local_, a, &a.h);
     return ops::add(a.h, mlp_forward(pre + "mlp.", ffn_local_, a), bias(pre + "mlp.proj.bias"));
+  }
   // MoE: routed experts on this rank's residual rows (experts are not split over TP), plus shared experts
   // as a TP-parallel dense MLP.
   Tensor routed = it->second->forward(mb, tp_->local_tokens(mb.num_tokens()).first, a.n2, a.moe);
@@ -300,17 +305,18 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   return ops::add(a.h, ops::add(routed, shared, bias(pre + "mlp.shared.proj.bias")));
 }
 
-Tensor Transformer::mlp_forward(const std::string& prefix, int64_t fl, LayerActs& a) {
+Tensor Transformer::mlp_forward(const std::string& prefix, int64_t fl, LayerActs& a, Tensor* residual) {
   a.m_in = tp_->enter_forward(a.n2);
   const int64_t T = a.m_in.size(0), C = cfg_.d_model;
   a.fc1 = act({T, fl});
   a.act = act({T, fl});
-  Tensor m_partial = act({T, C});
+  Tensor m_partial = residual ? *residual : act({T, C});
+  const bool acc = residual != nullptr;
   if (cfg_.is_gpt2()) {
     // fc1 = m_in @ W1^T + b1 (kept for backward), act = gelu(fc1): one matmul on CUDA bf16
     ops::linear_gelu_forward(a.act, a.fc1, a.m_in, p(prefix + "fc.weight").compute_value(),
                              bias(prefix + "fc.bias"));
-    ops::linear_forward(m_partial, a.act, p(prefix + "proj.weight").compute_value(), nullptr);
+    ops::linear_forward(m_partial, a.act, p(prefix + "proj.weight").compute_value(), nullptr, acc);
   } else {
     const Tensor w13 = kv_ ? fused_weight(prefix, {"w1.weight", "w3.weight"}) : Tensor();
     if (w13.defined()) {  // decode steps: gate and up in one matmul (their rows are kept by nobody)
@@ -323,9 +329,9 @@ Tensor Transformer::mlp_forward(const std::string& prefix, int64_t fl, LayerActs
       ops::linear_forward(a.fc3, a.m_in, p(prefix + "w3.weight").compute_value(), nullptr);
       ops::swiglu_forward(a.act, a.fc1, a.fc3);
     }
-    ops::linear_forward(m_partial, a.act, p(prefix + "w2.weight").compute_value(), nullptr);
+    ops::linear_forward(m_partial, a.act, p(prefix + "w2.weight").compute_value(), nullptr, acc);
   }
-  return tp_->exit_forward(m_partial);
+  return acc ? m_partial : tp_->exit_forward(m_partial);
 }
 
 Tensor Transformer::mlp_backward(const std::string& prefix, int64_t fl, const Tensor& dout, LayerActs& a) {

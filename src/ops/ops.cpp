@@ -134,15 +134,22 @@ void add_position_embedding_backward(Tensor& dtable, const Tensor& dx, const Ten
   cpu::add_position_embedding_backward(dtable.f32(), dx.f32(), pos.i32(), T, P, C);
 }
 
-void linear_forward(Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor* bias) {
+void linear_forward(Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor* bias,
+                    bool accumulate) {
   int64_t OC = weight.size(0), IC = weight.size(1), T = rows(inp);
   NDT_CHECK(inp.size(-1) == IC, "linear_forward: input has {} features, weight expects {}", inp.size(-1), IC);
   NDT_CHECK(out.numel() == T * OC, "linear_forward: out has {} elements, expected {}", out.numel(), T * OC);
   NDT_ON_CUDA(inp, cuda::linear_forward<E>(dp<E>(out, "linear out"), dp<E>(inp, "linear inp"),
                                            dp<E>(weight, "linear weight"), dp_opt<E>(bias, "linear bias"), T,
-                                           IC, OC, st()));
+                                           IC, OC, st(), accumulate));
   require_cpu(inp, "linear_forward");
-  cpu::linear_forward(out.f32(), inp.f32(), weight.f32(), bias ? bias->f32() : nullptr, T, IC, OC);
+  if (!accumulate) {
+    cpu::linear_forward(out.f32(), inp.f32(), weight.f32(), bias ? bias->f32() : nullptr, T, IC, OC);
+    return;
+  }
+  Tensor prod = Tensor::empty(out.shape());
+  cpu::linear_forward(prod.f32(), inp.f32(), weight.f32(), bias ? bias->f32() : nullptr, T, IC, OC);
+  for (int64_t i = 0; i < out.numel(); ++i) out.f32()[i] += prod.f32()[i];
 }
 
 void linear_backward(Tensor* dinp, Tensor& dweight, Tensor* dbias, const Tensor& dout, const Tensor& inp,

@@ -24,8 +24,10 @@ void embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids, i
 void add_position_embedding_forward(Tensor& x, const Tensor& pos, const Tensor& table);
 void add_position_embedding_backward(Tensor& dtable, const Tensor& dx, const Tensor& pos);
 
-// out(T, OC) = inp(T, IC) @ weight(OC, IC)^T (+ bias(OC) when defined).
-void linear_forward(Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor* bias);
+// out(T, OC) = inp(T, IC) @ weight(OC, IC)^T (+ bias(OC) when defined); accumulate: out += that (on the
+// GPU in the matmul's fp32 accumulator, rounded once: a residual add without its own pass).
+void linear_forward(Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor* bias,
+                    bool accumulate = false);
 void linear_backward(Tensor* dinp, Tensor& dweight, Tensor* dbias, const Tensor& dout, const Tensor& inp,
                      const Tensor& weight, bool accumulate_dinp = true);
 

@@ -522,6 +522,13 @@ void check_linear(const char* label, int64_t t, int64_t ic, int64_t oc, bool off
   ndt::cpu::linear_forward(ref.data(), x.data(), w.data(), nullptr, t, ic, oc);
   std::snprintf(name, sizeof(name), "linear_fwd nobias %s", label);
   expect_close<E>(name, out.get(), ref);
+  // accumulate: out = residual + product (the residual rounded to E, as the device holds it)
+  const Vec res = rounded<E>(randv(t * oc, 47));
+  Dev<E> acc(res);
+  ndt::cuda::linear_forward<E>(acc.p, dx.p, dw.p, nullptr, t, ic, oc, 0, /*accumulate=*/true);
+  for (int64_t i = 0; i < t * oc; ++i) ref[i] += res[i];
+  std::snprintf(name, sizeof(name), "linear_fwd accumulate %s", label);
+  expect_close<E>(name, acc.get(), ref);
   Dev<E> dinp(pre);
   Dev<float> dweight(prew), dbias(preb);
   Vec rdi = pre, rdw = prew, rdb = preb;
