@@ -13,6 +13,10 @@
 #          partial-match reward): refit_seconds and the step's time split, 1 GPU and training layout ->
 #          generation layout tp2 -> gen_tp 2, dp2 -> gen_tp 1, dp2 -> gen_tp 2, pp2 -> gen_tp 2
 # Usage: bench/multi_gpu.sh NDTRAIN OUTDIR     (SECTIONS="llama moe refit" by default)
+# KERNEL_TRACE=A:B also traces steps A to B of the llama, cp and moe runs (`ndtrain train --kernel-trace`;
+# the window must lie within every run's steps, e.g. 6:7; the refit section is not traced): per run
+# OUTDIR/<run>.kernels.txt (rank 0's table) and, under the report's tables, each run's exposed
+# communication per step (the share of a step that waits for NCCL with no compute beside it).
 set -uo pipefail
 nd=${1:?usage: multi_gpu.sh NDTRAIN OUTDIR}
 out=${2:?usage: multi_gpu.sh NDTRAIN OUTDIR}
@@ -38,9 +42,10 @@ run() {
     echo "$name: needs $np GPUs, $have here: skipped"
     return 1
   fi
-  local dir=$out/$name
-  timeout 300 mpirun --allow-run-as-root --bind-to none -np "$np" "$nd" train "$@" "train.out_dir=$dir" \
-    >"$dir.log" 2>&1
+  local dir=$out/$name trace=()
+  [[ -n ${KERNEL_TRACE:-} ]] && trace=(--kernel-trace "$dir.trace" --kernel-trace-steps "$KERNEL_TRACE")
+  timeout 300 mpirun --allow-run-as-root --bind-to none -np "$np" "$nd" train "${trace[@]}" "$@" \
+    "train.out_dir=$dir" >"$dir.log" 2>&1
   local rc=$?
   if [[ $rc != 0 || ! -f $dir/metrics.jsonl ]]; then
     echo "$name: FAILED (exit $rc, $dir.log)"
@@ -52,7 +57,13 @@ run() {
   bubble=$(grep -m1 -o 'measured [0-9.]*%, theoretical [0-9.]*%' "$dir.log" || true)
   cp "$dir/metrics.jsonl" "$dir.metrics.jsonl"
   rm -rf "$dir"
+  if [[ -f $dir.trace/kernels.rank0.txt ]]; then
+    cp "$dir.trace/kernels.rank0.txt" "$dir.kernels.txt"
+    rm -rf "$dir.trace"
+    traced+=("$name: $(head -1 "$dir.kernels.txt")")
+  fi
 }
+traced=()  # one line per traced run, printed under the report
 row() {  # NAME GPUS TOKENS_PER_STEP: a table row against the section's 1-GPU tokens/s ($base)
   python3 - "$1" "$2" "$3" "$step" "$base" "$bubble" >>"$report" <<'EOF'
 import sys
@@ -128,11 +139,15 @@ if [[ " $sections " == *" refit "* ]]; then
     "dp2_gen2 2 parallel.dp=2 posttrain.gen_tp=2" "pp2_gen2 2 parallel.pp=2 posttrain.gen_tp=2"; do
     read -r name np sets <<<"$spec"
     # shellcheck disable=SC2086
-    run "refit_$name" "$np" "${G[@]}" $sets || true
+    KERNEL_TRACE='' run "refit_$name" "$np" "${G[@]}" $sets || true
     f=$out/refit_$name.metrics.jsonl
     [[ -f $f ]] || continue
     echo "| $name | $(med "$f" 2 refit_seconds) | $(med "$f" 2 time_generate) | $(med "$f" 2 time_logprobs) |" \
       "$(med "$f" 2 time_train) | $(med "$f" 2 gen_kl_error) |" >>"$report"
   done
+fi
+if ((${#traced[@]})); then
+  printf '\nKernel traces (rank 0, steps %s; OUTDIR/<run>.kernels.txt):\n\n' "$KERNEL_TRACE" >>"$report"
+  printf -- '- %s\n' "${traced[@]}" >>"$report"
 fi
 cat "$report"
