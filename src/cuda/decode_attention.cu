@@ -70,9 +70,11 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, floa
 // parts == nullptr: one part, out and lse written here. Otherwise parts holds per (row, split) the state
 // (m, l, acc[D]) of this block's keys, row = s * H + head, D + 2 floats each.
 template <typename T, int D, int G>
-// At most 128 registers (4 blocks per SM): 64 sequences x 8 kv heads then fit in one round (at 153
-// registers, 3 blocks per SM, 512 blocks took 1.3 rounds; 23% occupancy); with kUnroll 2 nothing spills.
-__global__ void __launch_bounds__(kWarps * 32, 4)
+// bf16 with up to 4 query heads per block: at most 128 registers (4 blocks per SM), so 64 sequences x 8 kv
+// heads fit in one round (at 153 registers, 3 blocks per SM, 512 blocks took 1.3 rounds at 19% occupancy);
+// with kUnroll 2 nothing spills (ptxas: 127 registers). 8 heads keep 16 floats of q and accumulator per
+// head and lane (201 registers), and fp32 rows take twice the load registers (a cap spills there): no cap.
+__global__ void __launch_bounds__(kWarps * 32, sizeof(T) == 2 && G <= 4 ? 4 : 1)
     decode_kernel(T* out, float* lse, float* parts, const T* q, const T* k, const T* v, const int32_t* cu_k,
                   const int32_t* pos_q, const int32_t* pos_k, int H, int KV, float scale) {
   constexpr int LPK = D / 8;     // lanes per key
