@@ -92,7 +92,7 @@ void scatter_add_rows(float* dtable, const E* dout, const int32_t* ids, int64_t 
   if (!dtable || T <= 0 || C <= 0) return;
   NDT_CUDA_REQUIRE(T <= INT32_MAX, "embedding backward: more than 2^31 tokens");
   const int n = static_cast<int>(T);
-  detail::Scratch buf(sizeof(int32_t) * 3 * T, stream);
+  Scratch buf(sizeof(int32_t) * 3 * T, stream);
   int32_t* tok_in = buf.as<int32_t>();
   int32_t* keys_out = tok_in + T;
   int32_t* tok_out = keys_out + T;
@@ -101,7 +101,7 @@ void scatter_add_rows(float* dtable, const E* dout, const int32_t* ids, int64_t 
   size_t temp_bytes = 0;
   NDT_CUDA_CHECK(
       cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, ids, keys_out, tok_in, tok_out, n, 0, 32, stream));
-  detail::Scratch temp(temp_bytes, stream);
+  Scratch temp(temp_bytes, stream);
   NDT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.as<void>(), temp_bytes, ids, keys_out, tok_in, tok_out,
                                                  n, 0, 32, stream));
   const int block = C >= 256 ? 256 : static_cast<int>((C + 31) / 32 * 32);

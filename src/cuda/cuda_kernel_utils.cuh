@@ -10,6 +10,7 @@
 #include <string>
 
 #include "cuda/cuda_check.h"
+#include "cuda/runtime.h"
 
 namespace ndt {
 // Declared in core/check.h (which .cu files cannot include: fmt); throws ndt::Error.
@@ -115,27 +116,6 @@ void launch_elementwise(const Op& op, int64_t n, bool vec_ok, cudaStream_t strea
   }
   NDT_CUDA_CHECK_LAUNCH();
 }
-
-// Temporary device memory from the stream-ordered pool, released on `stream` when it goes out of scope.
-class Scratch {
- public:
-  Scratch(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    if (bytes) NDT_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
-  }
-  ~Scratch() {
-    if (ptr_) cudaFreeAsync(ptr_, stream_);  // cannot throw from a destructor; errors resurface later
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  template <typename P>
-  P* as() const {
-    return static_cast<P*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
 
 // ---- deterministic column sums over rows: out[c] += sum_t f(t, c), for parameter gradients ----
 // Pass 1: block (32 cols x 8 row lanes) reduces a chunk of kColsumRows rows into partial[chunk][c] in a

@@ -226,7 +226,7 @@ void launch_norm_backward_fused(__nv_bfloat16* dinp, float* dweight, float* dbia
                                 const __nv_bfloat16* dres) {
   const unsigned grid = static_cast<unsigned>(
       std::min<int64_t>((T + kWarps - 1) / kWarps, static_cast<int64_t>(kFusedMaxBlocks)));
-  detail::Scratch partial(sizeof(float) * (RMS ? 1 : 2) * grid * C, stream);
+  Scratch partial(sizeof(float) * (RMS ? 1 : 2) * grid * C, stream);
   norm_backward_fused_kernel<RMS, CH><<<grid, 32 * kWarps, 0, stream>>>(dinp, partial.as<float>(), dout, inp,
                                                                         weight, mean, rstd, T, C, dres);
   NDT_CUDA_CHECK_LAUNCH();

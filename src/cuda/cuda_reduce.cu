@@ -70,7 +70,7 @@ __global__ void broadcast_rows_kernel(E* out, const E* row, int64_t rows, int64_
 
 void sum_squares_device(double* result, const float* x, int64_t n, bool accumulate, cudaStream_t stream) {
   const int64_t nblk = n > 0 ? (n + kSsChunk - 1) / kSsChunk : 0;
-  detail::Scratch partial(sizeof(double) * (nblk > 0 ? nblk : 1), stream);
+  Scratch partial(sizeof(double) * (nblk > 0 ? nblk : 1), stream);
   if (nblk > 0) {
     if (detail::aligned16(x))
       sumsq_partial_kernel<true>
@@ -85,7 +85,7 @@ void sum_squares_device(double* result, const float* x, int64_t n, bool accumula
 }
 
 double sum_squares(const float* x, int64_t n, cudaStream_t stream) {
-  detail::Scratch result(sizeof(double), stream);
+  Scratch result(sizeof(double), stream);
   sum_squares_device(result.as<double>(), x, n, false, stream);
   double host = 0.0;
   copy_d2h_on(&host, result.as<double>(), sizeof(double), stream);
@@ -142,7 +142,7 @@ void bias_backward(float* dbias, const E* dout, int64_t T, int64_t OC, cudaStrea
   if constexpr (std::is_same_v<E, __nv_bfloat16>) {
     if (T > 0 && OC > 0 && OC % 8 == 0 && detail::aligned16(dout)) {
       const int64_t nchunk = (T + kBiasChunkRows - 1) / kBiasChunkRows;
-      detail::Scratch partial(sizeof(float) * nchunk * OC, stream);
+      Scratch partial(sizeof(float) * nchunk * OC, stream);
       const dim3 grid(static_cast<unsigned>((OC + 255) / 256), static_cast<unsigned>(nchunk));
       bias_grad_partial_vec_kernel<<<grid, 256, 0, stream>>>(partial.as<float>(), dout, T, OC);
       NDT_CUDA_CHECK_LAUNCH();

@@ -273,7 +273,7 @@ template <typename E>
 double cross_entropy_forward(float* losses, const E* logits, const int32_t* targets, const float* mask,
                              int64_t T, int64_t V, cudaStream_t stream) {
   if (T <= 0) return 0.0;
-  detail::Scratch buf(sizeof(double) + sizeof(float) * 3 * T, stream);
+  Scratch buf(sizeof(double) + sizeof(float) * 3 * T, stream);
   double* total = buf.as<double>();
   float* rowmax = reinterpret_cast<float*>(total + 1);
   float* sumexp = rowmax + T;

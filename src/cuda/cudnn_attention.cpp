@@ -28,6 +28,7 @@
 #include "core/check.h"
 #include "cuda/cuda_check.h"
 #include "cuda/dl_symbol.h"
+#include "cuda/runtime.h"
 
 namespace ndt::cuda {
 namespace {
@@ -472,18 +473,6 @@ void execute(cudnnHandle_t h, const Plan& p, cudaStream_t stream, std::vector<in
   check(api().execute(h, p.plan, pack), "execute");
 }
 
-// Scratch from the stream-ordered pool, released when the stream gets there.
-struct Scratch {
-  char* p = nullptr;
-  cudaStream_t s;
-  Scratch(size_t bytes, cudaStream_t stream) : s(stream) {
-    if (bytes) NDT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p), bytes, stream));
-  }
-  ~Scratch() {
-    if (p) cudaFreeAsync(p, s);
-  }
-};
-
 int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
 
 }  // namespace
@@ -506,13 +495,14 @@ bool cudnn_attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16
   if (!p) return false;
   const int64_t stats_bytes = p->variant.packed_stats ? align256(B * S * H * 4) : 0;
   Scratch ws(static_cast<size_t>(align256(p->workspace) + stats_bytes), stream);
-  float* stats = p->variant.packed_stats ? reinterpret_cast<float*>(ws.p + align256(p->workspace)) : lse;
+  float* stats =
+      p->variant.packed_stats ? reinterpret_cast<float*>(ws.as<char>() + align256(p->workspace)) : lse;
   float s = scale, neg = -1e30f;
   try {
     execute(h, *p, stream, {kQ, kK, kV, kO, kStats, kScale, kNegInf},
             {const_cast<__nv_bfloat16*>(q), const_cast<__nv_bfloat16*>(k), const_cast<__nv_bfloat16*>(v), out,
              stats, &s, &neg},
-            ws.p);
+            ws.as<char>());
   } catch (const Refused& r) {
     throw Error(fmt::format("cuDNN attention forward failed: {}", r.what));
   }
@@ -534,11 +524,11 @@ bool cudnn_attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat1
   const int64_t w0 = align256(p->workspace), w1 = align256(B * H * S * 4), w2 = align256(B * H * S * D * 4);
   const int64_t w3 = p->variant.packed_stats ? align256(B * S * H * 4) : 0;
   Scratch ws(static_cast<size_t>(w0 + w1 + w2 + w3), stream);
-  float* dsum = reinterpret_cast<float*>(ws.p + w0);
-  float* acc = reinterpret_cast<float*>(ws.p + w0 + w1);
+  float* dsum = reinterpret_cast<float*>(ws.as<char>() + w0);
+  float* acc = reinterpret_cast<float*>(ws.as<char>() + w0 + w1);
   const float* stats = lse;
   if (p->variant.packed_stats) {
-    float* packed = reinterpret_cast<float*>(ws.p + w0 + w1 + w2);
+    float* packed = reinterpret_cast<float*>(ws.as<char>() + w0 + w1 + w2);
     lse_rows_to_bhs(packed, lse, B, S, H, stream);
     stats = packed;
   }
@@ -551,7 +541,7 @@ bool cudnn_attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat1
             {const_cast<__nv_bfloat16*>(q), const_cast<__nv_bfloat16*>(k), const_cast<__nv_bfloat16*>(v),
              const_cast<__nv_bfloat16*>(out), const_cast<__nv_bfloat16*>(dout), const_cast<float*>(stats), dq,
              dk, dv, dsum, acc, &s, &neg, &one},
-            ws.p);
+            ws.as<char>());
   } catch (const Refused& r) {
     throw Error(fmt::format("cuDNN attention backward failed: {}", r.what));
   }

@@ -272,8 +272,7 @@ bool attention_decode(T* out, float* lse, const T* q, const T* k, const T* v, co
        {static_cast<const void*>(q), static_cast<const void*>(k), static_cast<const void*>(v)})
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
   if (splits <= 0) splits = decode_splits(nseq, KV, rows_k);
-  detail::Scratch part(splits > 1 ? static_cast<size_t>(nseq * H * splits * (D + 2)) * sizeof(float) : 0,
-                       stream);
+  Scratch part(splits > 1 ? static_cast<size_t>(nseq * H * splits * (D + 2)) * sizeof(float) : 0, stream);
   return D == 64 ? launch_group<T, 64>(out, lse, part.as<float>(), splits, q, k, v, cu_k, pos_q, pos_k, nseq,
                                        H, KV, scale, stream)
                  : launch_group<T, 128>(out, lse, part.as<float>(), splits, q, k, v, cu_k, pos_q, pos_k, nseq,

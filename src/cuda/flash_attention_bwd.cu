@@ -523,7 +523,7 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
   fa::check_args(nseq, Tq, Tk, H, KV, D);
   if (Tq == 0 || Tk == 0 || nseq == 0 || (!dq && !dk && !dv)) return;
   if constexpr (std::is_same_v<T, float>) {
-    fa::Scratch di(sizeof(float) * static_cast<size_t>(Tq * H), stream);
+    Scratch di(sizeof(float) * static_cast<size_t>(Tq * H), stream);
     const int64_t threads = Tq * H * 32;
     fa::bwd_simple_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
         dq, di.as<float>(), dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, pos_q, pos_k,

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "cuda/cuda_check.h"
+#include "cuda/runtime.h"
 
 namespace ndt::cuda::fa {
 
@@ -111,27 +112,6 @@ __device__ __forceinline__ int find_segment(const int32_t* blk, int nseq, int b)
 }
 // Upper bound on sum_s ceil(len_s / tile) + ceil(padding rows / tile): the grid size in tiles.
 inline int64_t tile_bound(int64_t rows, int64_t nseq, int tile) { return (rows + tile - 1) / tile + nseq + 1; }
-
-// Stream-ordered scratch (cudaMallocAsync), freed on the stream when it goes out of scope.
-class Scratch {
- public:
-  Scratch(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    if (bytes) NDT_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
-  }
-  ~Scratch() {
-    if (ptr_) cudaFreeAsync(ptr_, stream_);
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  template <typename P>
-  P* as() const {
-    return static_cast<P*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
 
 // Host-side argument checks; throw ndt::Error (through cuda_failed) with the message as the expression.
 [[noreturn]] inline void arg_error(const std::string& msg) {

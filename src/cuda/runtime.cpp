@@ -162,6 +162,14 @@ void memset_zero(void* p, size_t bytes) {
   if (bytes) NDT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream()));
 }
 
+Scratch::Scratch(size_t bytes, cudaStream_t stream) : stream_(stream) {
+  if (bytes) NDT_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
+}
+
+Scratch::~Scratch() {
+  if (ptr_) cudaFreeAsync(ptr_, stream_);
+}
+
 PinnedBuffer::PinnedBuffer(size_t bytes) {
   if (bytes) NDT_CUDA_CHECK(cudaMallocHost(&ptr_, bytes));
 }

@@ -63,6 +63,24 @@ class Graph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
+// Temporary device memory from the stream-ordered pool (cudaMallocAsync on `stream`; graph-owned under
+// stream capture), released on that stream when it goes out of scope. Kernels' workspaces.
+class Scratch {
+ public:
+  Scratch(size_t bytes, cudaStream_t stream);
+  ~Scratch();  // never throws: an error resurfaces at the next checked call
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <typename P>
+  P* as() const {
+    return static_cast<P*>(ptr_);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+};
+
 // Page-locked host memory: copies between it and the device (copy_*_async) are asynchronous on stream(),
 // so the host can prepare the next inputs or read earlier results while the device works.
 class PinnedBuffer {
