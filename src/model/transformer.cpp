@@ -187,42 +187,42 @@ void Transformer::norm_backward(const std::string& prefix, Tensor& dx, const Ten
   }
 }
 
-Tensor Transformer::fused_weight(const std::string& pre, std::initializer_list<const char*> names) {
-  const Tensor& flat = ps_->compute_dtype() == DType::F32 ? ps_->flat_values() : ps_->flat_compute();
+namespace {
+// The tensors of(p) of parameters `pre + names`, each a view into `flat`, as one view of it when they lie
+// back to back with the same rank (1 or 2) and width: (rows, cols) or (rows); undefined otherwise.
+// Contiguity from the views' addresses: no search of the store's offsets on this per-step path.
+template <typename Of>
+Tensor fused_view(ParamStore& ps, const Tensor& flat, const std::string& pre,
+                  std::initializer_list<const char*> names, Of of) {
   if (!flat.defined()) return Tensor();
-  // Contiguity from the compute views' addresses (each a view into `flat`): no search of the store's offsets
-  // on this per-step path.
   const auto* base = static_cast<const char*>(flat.data_ptr());
   const char* next = nullptr;
-  int64_t rows = 0, cols = 0;
+  int64_t rows = 0, cols = 1, dim = 0;
   for (const char* n : names) {
-    const Param* w = ps_->find(pre + n);
-    if (!w || w->value.dim() != 2) return Tensor();
-    const Tensor& cv = w->compute_value();
-    const auto* at = static_cast<const char*>(cv.data_ptr());
-    if (!next) next = at, cols = cv.size(1);
-    if (at != next || cv.size(1) != cols) return Tensor();
-    next = at + cv.nbytes();
-    rows += cv.size(0);
+    const Param* w = ps.find(pre + n);
+    if (!w || w->value.dim() < 1 || w->value.dim() > 2) return Tensor();
+    const Tensor& t = of(*w);
+    const auto* at = static_cast<const char*>(t.data_ptr());
+    const int64_t c = t.dim() == 2 ? t.size(1) : 1;
+    if (!next) next = at, cols = c, dim = t.dim();
+    if (at != next || c != cols || t.dim() != dim) return Tensor();
+    next = at + t.nbytes();
+    rows += t.size(0);
   }
   const int64_t first = (next - base) / static_cast<int64_t>(dtype_size(flat.dtype())) - rows * cols;
-  return flat.view_at(first, {rows, cols});
+  return dim == 1 ? flat.view_at(first, {rows}) : flat.view_at(first, {rows, cols});
+}
+}  // namespace
+
+Tensor Transformer::fused_weight(const std::string& pre, std::initializer_list<const char*> names) {
+  const Tensor& flat = ps_->compute_dtype() == DType::F32 ? ps_->flat_values() : ps_->flat_compute();
+  return fused_view(*ps_, flat, pre, names,
+                    [](const Param& w) -> const Tensor& { return w.compute_value(); });
 }
 
 Tensor Transformer::fused_grad(const std::string& pre, std::initializer_list<const char*> names) {
-  Tensor& flat = ps_->flat_grads();
-  if (!flat.defined()) return Tensor();
-  int64_t first = -1, next = -1, rows = 0, cols = 0, dim = 0;
-  for (const char* n : names) {
-    Param* w = ps_->find(pre + n);
-    if (!w || w->value.dim() < 1 || w->value.dim() > 2) return Tensor();
-    const int64_t off = ps_->offset_of(*w), c = w->value.dim() == 2 ? w->value.size(1) : 1;
-    if (first < 0) first = off, next = off, cols = c, dim = w->value.dim();
-    if (off != next || c != cols || w->value.dim() != dim) return Tensor();
-    next = off + w->numel();
-    rows += w->value.size(0);
-  }
-  return dim == 1 ? flat.view_at(first, {rows}) : flat.view_at(first, {rows, cols});
+  return fused_view(*ps_, ps_->flat_grads(), pre, names,
+                    [](const Param& w) -> const Tensor& { return w.grad; });
 }
 
 Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor& x, LayerActs& a) {
@@ -234,8 +234,6 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   a.a_in = tp_->enter_forward(a.n1);
   const int64_t T = a.a_in.size(0);
   a.q = act({T, heads_local_, D});
-  a.k = act({T, kv_local_, D});
-  a.v = act({T, kv_local_, D});
   // On the GPU (training and decode steps), RoPE models without q/k norms or q/k/v biases: one matmul for
   // q, k and v, then one kernel that splits and rotates (the narrow k and v matmuls alone use the GPU
   // poorly, in decode steps most of all).
@@ -243,17 +241,17 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
                         !ps_->find(pre + "attn.wq.bias");
   const Tensor wqkv =
       fuse_qkv ? fused_weight(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"}) : Tensor();
+  Tensor kc, vc, rows;  // with a cache that takes them: k and v go straight into it (a.k, a.v stay empty)
+  const bool store = wqkv.defined() && kv_ && kv_->store_target(l, kc, vc, rows);
+  a.k = store ? Tensor() : act({T, kv_local_, D});
+  a.v = store ? Tensor() : act({T, kv_local_, D});
   if (wqkv.defined()) {
     Tensor qkv = act({T, (heads_local_ + 2 * kv_local_) * D});
     ops::linear_forward(qkv, a.a_in, wqkv, nullptr);
-    Tensor kc, vc, rows;
-    if (kv_ && kv_->store_target(l, kc, vc, rows)) {  // k and v straight into the cache: no separate store
+    if (store)
       ops::qkv_split_rope(a.q, kc, vc, qkv, mb.positions, theta, &rows);
-      a.k = Tensor();
-      a.v = Tensor();
-    } else {
+    else
       ops::qkv_split_rope(a.q, a.k, a.v, qkv, mb.positions, theta);
-    }
   } else {
     ops::linear_forward(a.q, a.a_in, p(pre + "attn.wq.weight").compute_value(), bias(pre + "attn.wq.bias"));
     ops::linear_forward(a.k, a.a_in, p(pre + "attn.wk.weight").compute_value(), bias(pre + "attn.wk.bias"));

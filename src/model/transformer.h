@@ -140,8 +140,8 @@ class Transformer {
                      const Tensor& mean, const Tensor& rstd, const Tensor* dres = nullptr);
   Param& p(const std::string& name) { return ps_->get(name); }
   // Parameters `pre + names` stored back to back (registration order: wq, wk, wv; w1, w3) as one (rows, C)
-  // matrix of the compute copy, for one matmul in place of several in decode steps (KV cache); undefined
-  // when they are not contiguous (a bias in between) or the store is not flat.
+  // matrix of the compute copy, for one matmul in place of several; undefined when they are not contiguous
+  // (a bias in between) or the store is not flat.
   Tensor fused_weight(const std::string& pre, std::initializer_list<const char*> names);
   // The fp32 gradients of the same parameters (2-D weights or 1-D biases) as one view of the store's flat
   // gradients, when they lie back to back there; undefined otherwise.
