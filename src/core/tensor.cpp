@@ -119,6 +119,14 @@ Tensor Tensor::view_at(int64_t offset, Shape shape) const {
   return t;
 }
 
+Tensor Tensor::rows(int64_t first, int64_t count) const {
+  NDT_CHECK(dim() >= 1 && first >= 0 && count >= 0 && first + count <= shape_[0],
+            "rows: [{}, {}) outside a tensor of shape {}", first, first + count, shape_str(shape_));
+  Shape s = shape_;
+  s[0] = count;
+  return view_at(shape_[0] ? first * (numel_ / shape_[0]) : 0, std::move(s));
+}
+
 Tensor Tensor::clone() const {
   Tensor t = empty(shape_, dtype_, device_);
   t.copy_from(*this);

@@ -98,6 +98,8 @@ class Tensor {
   Tensor view(Shape shape) const;
   // A view of `shape` starting `offset` elements into this tensor's storage (shares ownership).
   Tensor view_at(int64_t offset, Shape shape) const;
+  // Rows [first, first + count) along dim 0, as a view (shares ownership).
+  Tensor rows(int64_t first, int64_t count) const;
   Tensor clone() const;
   void zero_();
   void copy_from(const Tensor& src);  // same numel and dtype; any devices

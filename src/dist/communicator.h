@@ -27,6 +27,20 @@ struct P2POp {
   int tag = 0;
 };
 
+// A non-blocking operation in flight. Backends without device streams (MPI, the staged one) complete the
+// operation before handing out its handle; NCCL's contract is in dist/nccl_communicator.h.
+class CommHandle {
+ public:
+  virtual ~CommHandle() = default;
+  // The compute stream (as set when the operation was started) waits for completion; the host
+  // does not block. Idempotent.
+  virtual void wait() = 0;
+  // The host blocks until the operation has completed. Idempotent.
+  virtual void synchronize() = 0;
+  // True once the operation has completed on the device (does not block).
+  virtual bool done() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -45,6 +59,14 @@ class Communicator {
   virtual void recv(void* buf, int64_t count, DType dt, int peer, int tag = 0) = 0;
   // Posts all operations, then waits for all of them (no ordering hazard between the entries).
   virtual void batch_p2p(const std::vector<P2POp>& ops) = 0;
+  // Non-blocking forms where the backend has them (NCCL: enqueued on its stream, see its stream contract;
+  // the buffers must not be touched until the handle's wait()). The defaults run the blocking call and
+  // hand back a completed operation.
+  virtual std::unique_ptr<CommHandle> all_reduce_async(void* buf, int64_t count, DType dt, ReduceOp op);
+  virtual std::unique_ptr<CommHandle> all_gather_async(const void* send, void* recv, int64_t count, DType dt);
+  virtual std::unique_ptr<CommHandle> reduce_scatter_async(const void* send, void* recv, int64_t count,
+                                                           DType dt, ReduceOp op);
+  virtual std::unique_ptr<CommHandle> batch_p2p_async(const std::vector<P2POp>& ops);
   // Variable all-to-all: send_counts[i] elements go to rank i, starting at send_offsets[i].
   virtual void all_to_all_v(const void* send, const std::vector<int64_t>& send_counts,
                             const std::vector<int64_t>& send_offsets, void* recv,

@@ -245,25 +245,20 @@ class NcclComm final : public NcclCommunicator {
   }
 
   void batch_p2p(const std::vector<P2POp>& ops) override {
-    bool any_dev = false, any_host = false;
-    for (const P2POp& op : ops) {
-      check_peer(op.peer, "batch_p2p peer");
-      if (op.buf && op.count > 0) (cuda::is_device_pointer(op.buf) ? any_dev : any_host) = true;
-    }
-    NDT_CHECK(!(any_dev && any_host), "batch_p2p: mixes device and host buffers");
-    if (any_host) return host_->batch_p2p(ops);
-    if (!any_dev) return;
+    const Buffers where = p2p_buffers(ops);
+    if (where == Buffers::host) return host_->batch_p2p(ops);
+    if (where == Buffers::none) return;
     begin("batch_p2p");
-    grouped([&] {
-      for (const P2POp& op : ops) {
-        if (op.count == 0) continue;
-        if (op.kind == P2POp::Send)
-          NDT_NCCL(ncclSend(op.buf, n(op.count), nccl_type(op.dtype), op.peer, comm_, stream_));
-        else
-          NDT_NCCL(ncclRecv(op.buf, n(op.count), nccl_type(op.dtype), op.peer, comm_, stream_));
-      }
-    });
+    post_p2p(ops);
     end();
+  }
+
+  std::unique_ptr<CommHandle> batch_p2p_async(const std::vector<P2POp>& ops) override {
+    if (p2p_buffers(ops) != Buffers::device) return Communicator::batch_p2p_async(ops);  // completed at once
+    begin("batch_p2p (asynchronous)");
+    post_p2p(ops);
+    issued();
+    return std::make_unique<Handle>(compute_, stream_, size());
   }
 
   void all_to_all_v(const void* send, const std::vector<int64_t>& send_counts,
@@ -332,6 +327,30 @@ class NcclComm final : public NcclCommunicator {
 
   void check_peer(int peer, const char* what) const {
     NDT_CHECK(peer >= 0 && peer < size(), "{} {} out of range (communicator size {})", what, peer, size());
+  }
+
+  // Where the non-empty buffers of `ops` live (none: every count is 0; nothing to do on either side).
+  enum class Buffers { none, host, device };
+  Buffers p2p_buffers(const std::vector<P2POp>& ops) const {
+    bool any_dev = false, any_host = false;
+    for (const P2POp& op : ops) {
+      check_peer(op.peer, "batch_p2p peer");
+      if (op.buf && op.count > 0) (cuda::is_device_pointer(op.buf) ? any_dev : any_host) = true;
+    }
+    NDT_CHECK(!(any_dev && any_host), "batch_p2p: mixes device and host buffers");
+    return any_dev ? Buffers::device : any_host ? Buffers::host : Buffers::none;
+  }
+  // One NCCL group of the sends and receives, on the communicator's stream.
+  void post_p2p(const std::vector<P2POp>& ops) {
+    grouped([&] {
+      for (const P2POp& op : ops) {
+        if (op.count == 0) continue;
+        if (op.kind == P2POp::Send)
+          NDT_NCCL(ncclSend(op.buf, n(op.count), nccl_type(op.dtype), op.peer, comm_, stream_));
+        else
+          NDT_NCCL(ncclRecv(op.buf, n(op.count), nccl_type(op.dtype), op.peer, comm_, stream_));
+      }
+    });
   }
 
   // The communicator's stream waits for everything enqueued on the compute stream so far.

@@ -12,12 +12,12 @@
 // - Blocking calls (the whole Communicator interface) return after the operation has completed on
 //   the device (host synchronization on the communicator's stream): the buffer may be read, written
 //   or freed right away, from any stream or the host.
-// - Non-blocking calls (all_reduce_async, reduce_scatter_async, reduce_async, all_gather_async) return a
-// CommHandle at once. Until
-//   the handle's wait() (the compute stream waits for completion, the host does not block) or
-//   synchronize() (the host blocks), the buffers must not be touched. Their use: DP gradient
-//   reduction of finished buckets while backward continues on the compute stream. A handle destroyed
-//   without either waits like wait().
+// - Non-blocking calls (all_reduce_async, reduce_scatter_async, reduce_async, all_gather_async,
+//   batch_p2p_async) return a CommHandle at once. Until the handle's wait() (the compute stream waits
+//   for completion, the host does not block) or synchronize() (the host blocks), the buffers must not be
+//   touched. Their use: DP gradient reduction of finished buckets while backward continues on the
+//   compute stream; tensor-parallel exchanges beside the matmuls that do not need them. A handle
+//   destroyed without either waits like wait().
 //
 // Host buffers: a call whose buffers are host memory (pageable or pinned) goes over the MPI
 // communicator of the same ranks instead (scalars like token counts, loss sums, agree() of statuses),
@@ -40,19 +40,6 @@
 
 namespace ndt {
 
-// A non-blocking collective in flight (see the stream contract above).
-class CommHandle {
- public:
-  virtual ~CommHandle() = default;
-  // The compute stream (as set when the operation was started) waits for completion; the host
-  // does not block. Idempotent.
-  virtual void wait() = 0;
-  // The host blocks until the operation has completed. Idempotent.
-  virtual void synchronize() = 0;
-  // True once the operation has completed on the device (does not block).
-  virtual bool done() = 0;
-};
-
 class NcclCommunicator : public Communicator {
  public:
   virtual int device() const = 0;
@@ -64,14 +51,9 @@ class NcclCommunicator : public Communicator {
   // The MPI communicator over the same ranks (host buffers, agree()).
   virtual Communicator& host() = 0;
 
-  // Non-blocking in-place all-reduce / reduce-scatter of device buffers.
-  virtual std::unique_ptr<CommHandle> all_reduce_async(void* buf, int64_t count, DType dt, ReduceOp op) = 0;
-  virtual std::unique_ptr<CommHandle> reduce_scatter_async(const void* send, void* recv, int64_t count,
-                                                           DType dt, ReduceOp op) = 0;
-  // Non-blocking all-gather: recv = the ranks' `count`-element blocks in rank order (send may be this rank's
-  // own block of recv: NCCL's in-place form).
-  virtual std::unique_ptr<CommHandle> all_gather_async(const void* send, void* recv, int64_t count,
-                                                       DType dt) = 0;
+  // all_reduce_async, reduce_scatter_async, all_gather_async and batch_p2p_async (Communicator) are
+  // non-blocking here and need device buffers (all_gather_async: send may be this rank's own block of
+  // recv, NCCL's in-place form).
   // Non-blocking in-place reduce to `root`: buf on root becomes the reduction, the others' buf is left as
   // it was. ZeRO-1 reduces each finished gradient range to the rank that owns it.
   virtual std::unique_ptr<CommHandle> reduce_async(void* buf, int64_t count, DType dt, ReduceOp op,

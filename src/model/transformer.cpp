@@ -231,8 +231,7 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   const float theta = static_cast<float>(cfg_.rope_theta);
   a.x_in = x;
   norm_forward(pre + "attn_norm", x, a.n1, a.n1_mean, a.n1_rstd);
-  a.a_in = tp_->enter_forward(a.n1);
-  const int64_t T = a.a_in.size(0);
+  const int64_t T = tp_->gathered_rows(a.n1.size(0));
   a.q = act({T, heads_local_, D});
   // On the GPU (training and decode steps), RoPE models without q/k norms or q/k/v biases: one matmul for
   // q, k and v, then one kernel that splits and rotates (the narrow k and v matmuls alone use the GPU
@@ -241,21 +240,32 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
                         !ps_->find(pre + "attn.wq.bias");
   const Tensor wqkv =
       fuse_qkv ? fused_weight(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"}) : Tensor();
-  Tensor kc, vc, rows;  // with a cache that takes them: k and v go straight into it (a.k, a.v stay empty)
-  const bool store = wqkv.defined() && kv_ && kv_->store_target(l, kc, vc, rows);
+  Tensor kc, vc,
+      cache_rows;  // with a cache that takes them: k and v go straight into it (a.k, a.v stay empty)
+  const bool store = wqkv.defined() && kv_ && kv_->store_target(l, kc, vc, cache_rows);
   a.k = store ? Tensor() : act({T, kv_local_, D});
   a.v = store ? Tensor() : act({T, kv_local_, D});
-  if (wqkv.defined()) {
-    Tensor qkv = act({T, (heads_local_ + 2 * kv_local_) * D});
-    ops::linear_forward(qkv, a.a_in, wqkv, nullptr);
+  Tensor qkv = wqkv.defined() ? act({T, (heads_local_ + 2 * kv_local_) * D}) : Tensor();
+  // The q/k/v matmuls per block of gathered rows (beside the gather of the next block, under SP).
+  a.a_in = tp_->gather_overlapped(a.n1, [&](const Tensor& in, int64_t t0, int64_t n) {
+    const Tensor x_rows = in.rows(t0, n);
+    if (qkv.defined()) {
+      Tensor out = qkv.rows(t0, n);
+      ops::linear_forward(out, x_rows, wqkv, nullptr);
+      return;
+    }
+    for (auto [name, t] :
+         {std::pair<const char*, Tensor*>{"attn.wq", &a.q}, {"attn.wk", &a.k}, {"attn.wv", &a.v}}) {
+      Tensor out = t->rows(t0, n);
+      ops::linear_forward(out, x_rows, p(pre + name + ".weight").compute_value(), bias(pre + name + ".bias"));
+    }
+  });
+  if (qkv.defined()) {
     if (store)
-      ops::qkv_split_rope(a.q, kc, vc, qkv, mb.positions, theta, &rows);
+      ops::qkv_split_rope(a.q, kc, vc, qkv, mb.positions, theta, &cache_rows);
     else
       ops::qkv_split_rope(a.q, a.k, a.v, qkv, mb.positions, theta);
   } else {
-    ops::linear_forward(a.q, a.a_in, p(pre + "attn.wq.weight").compute_value(), bias(pre + "attn.wq.bias"));
-    ops::linear_forward(a.k, a.a_in, p(pre + "attn.wk.weight").compute_value(), bias(pre + "attn.wk.bias"));
-    ops::linear_forward(a.v, a.a_in, p(pre + "attn.wv.weight").compute_value(), bias(pre + "attn.wv.bias"));
     if (!cfg_.is_gpt2() && cfg_.qk_norm) {  // Qwen3: per-head RMSNorm of q and k, before RoPE
       a.q_raw = a.q;
       a.k_raw = a.k;
@@ -282,9 +292,12 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
     ops::attention_forward(a.att, a.lse, a.q, a.k, a.v, mb.cu_seqlens, scale);
   phase_mark(a.q.device(), "other");
   Tensor o_partial = act({T, C});
-  ops::linear_forward(o_partial, a.att.view({T, heads_local_ * D}), p(pre + "attn.wo.weight").compute_value(),
-                      nullptr);
-  Tensor o = tp_->exit_forward(o_partial);
+  const Tensor att2d = a.att.view({T, heads_local_ * D});
+  const Tensor& wo = p(pre + "attn.wo.weight").compute_value();
+  Tensor o = tp_->reduce_overlapped(
+      o_partial,
+      [&](int64_t t0, int64_t n, Tensor& out) { ops::linear_forward(out, att2d.rows(t0, n), wo, nullptr); },
+      {});
   // The residual add (with the bias after the TP reduction) and the MLP norm in one pass.
   add_norm_forward(pre + "mlp_norm", x, o, bias(pre + "attn.wo.bias"), a.h, a.n2, a.n2_mean, a.n2_rstd);
   auto it = moe_.find(l);
@@ -304,61 +317,88 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
 }
 
 Tensor Transformer::mlp_forward(const std::string& prefix, int64_t fl, LayerActs& a, Tensor* residual) {
-  a.m_in = tp_->enter_forward(a.n2);
-  const int64_t T = a.m_in.size(0), C = cfg_.d_model;
-  a.fc1 = act({T, fl});
+  const int64_t T = tp_->gathered_rows(a.n2.size(0)), C = cfg_.d_model;
+  const bool gpt2 = cfg_.is_gpt2();
+  // Decode steps: gate and up in one matmul (their rows are kept by nobody).
+  const Tensor w13 = !gpt2 && kv_ ? fused_weight(prefix, {"w1.weight", "w3.weight"}) : Tensor();
+  Tensor h13 = w13.defined() ? act({T, 2 * fl}) : Tensor();
+  a.fc1 = w13.defined() ? Tensor() : act({T, fl});
+  a.fc3 = gpt2 || w13.defined() ? Tensor() : act({T, fl});
   a.act = act({T, fl});
-  Tensor m_partial = residual ? *residual : act({T, C});
-  const bool acc = residual != nullptr;
-  if (cfg_.is_gpt2()) {
-    // fc1 = m_in @ W1^T + b1 (kept for backward), act = gelu(fc1): one matmul on CUDA bf16
-    ops::linear_gelu_forward(a.act, a.fc1, a.m_in, p(prefix + "fc.weight").compute_value(),
-                             bias(prefix + "fc.bias"));
-    ops::linear_forward(m_partial, a.act, p(prefix + "proj.weight").compute_value(), nullptr, acc);
-  } else {
-    const Tensor w13 = kv_ ? fused_weight(prefix, {"w1.weight", "w3.weight"}) : Tensor();
-    if (w13.defined()) {  // decode steps: gate and up in one matmul (their rows are kept by nobody)
-      Tensor h13 = act({T, 2 * fl});
-      ops::linear_forward(h13, a.m_in, w13, nullptr);
-      ops::swiglu_forward_fused(a.act, h13);
+  // The up projections and the activation per block of gathered rows (beside the gather, under SP).
+  a.m_in = tp_->gather_overlapped(a.n2, [&](const Tensor& in, int64_t t0, int64_t n) {
+    const Tensor x_rows = in.rows(t0, n);
+    Tensor act_rows = a.act.rows(t0, n);
+    if (gpt2) {
+      // fc1 = m_in @ W1^T + b1 (kept for backward), act = gelu(fc1): one matmul on CUDA bf16
+      Tensor pre = a.fc1.rows(t0, n);
+      ops::linear_gelu_forward(act_rows, pre, x_rows, p(prefix + "fc.weight").compute_value(),
+                               bias(prefix + "fc.bias"));
+    } else if (w13.defined()) {
+      Tensor h = h13.rows(t0, n);
+      ops::linear_forward(h, x_rows, w13, nullptr);
+      ops::swiglu_forward_fused(act_rows, h);
     } else {
-      a.fc3 = act({T, fl});
-      ops::linear_forward(a.fc1, a.m_in, p(prefix + "w1.weight").compute_value(), nullptr);
-      ops::linear_forward(a.fc3, a.m_in, p(prefix + "w3.weight").compute_value(), nullptr);
-      ops::swiglu_forward(a.act, a.fc1, a.fc3);
+      Tensor gate = a.fc1.rows(t0, n), up = a.fc3.rows(t0, n);
+      ops::linear_forward(gate, x_rows, p(prefix + "w1.weight").compute_value(), nullptr);
+      ops::linear_forward(up, x_rows, p(prefix + "w3.weight").compute_value(), nullptr);
+      ops::swiglu_forward(act_rows, gate, up);
     }
-    ops::linear_forward(m_partial, a.act, p(prefix + "w2.weight").compute_value(), nullptr, acc);
+  });
+  const Tensor& w2 = p(prefix + (gpt2 ? "proj.weight" : "w2.weight")).compute_value();
+  if (residual) {  // one TP rank: the product accumulates into the residual stream
+    ops::linear_forward(*residual, a.act, w2, nullptr, /*accumulate=*/true);
+    return *residual;
   }
-  return acc ? m_partial : tp_->exit_forward(m_partial);
+  Tensor m_partial = act({T, C});
+  return tp_->reduce_overlapped(
+      m_partial,
+      [&](int64_t t0, int64_t n, Tensor& out) { ops::linear_forward(out, a.act.rows(t0, n), w2, nullptr); },
+      {});
 }
 
 Tensor Transformer::mlp_backward(const std::string& prefix, int64_t fl, const Tensor& dout, LayerActs& a) {
   const int64_t C = cfg_.d_model, T = a.m_in.size(0);
+  const bool gpt2 = cfg_.is_gpt2();
   if (Param* b = ps_->find(prefix + "proj.bias")) ops::bias_backward(b->grad, dout);
-  Tensor dm = tp_->exit_backward(dout);  // (T, C)
+  Param& w1 = p(prefix + (gpt2 ? "fc.weight" : "w1.weight"));
+  Param& w2 = p(prefix + (gpt2 ? "proj.weight" : "w2.weight"));
+  Param* w3 = gpt2 ? nullptr : &p(prefix + "w3.weight");
+  Param* b1 = ps_->find(prefix + "fc.bias");
+  Tensor none;  // no weight gradient: input gradients alone, per row block
   // Activation gradients start uninitialized: their first op overwrites (accumulate = false), the rest add.
-  Tensor dm_in = act({T, C});
   Tensor dfc1 = act({T, fl});
-  if (cfg_.is_gpt2()) {
-    Param& w2 = p(prefix + "proj.weight");
-    // dfc1 = gelu'(fc1) * (dm @ W2) (on CUDA bf16 without the dact in between), dW2 += dm^T @ act
-    ops::linear_dgelu_backward(dfc1, w2.grad, dm, a.act, w2.compute_value(), a.fc1);
-    Param& w1 = p(prefix + "fc.weight");
-    ops::linear_backward(&dm_in, w1.grad, &p(prefix + "fc.bias").grad, dfc1, a.m_in, w1.compute_value(),
-                         /*accumulate_dinp=*/false);
-  } else {
-    Param& w2 = p(prefix + "w2.weight");
-    Tensor dact = act({T, fl});
-    ops::linear_backward(&dact, w2.grad, nullptr, dm, a.act, w2.compute_value(), /*accumulate_dinp=*/false);
-    Tensor dfc3 = act({T, fl});
-    ops::swiglu_backward(dfc1, dfc3, dact, a.fc1, a.fc3, /*accumulate=*/false);
-    Param& w1 = p(prefix + "w1.weight");
-    Param& w3 = p(prefix + "w3.weight");
-    ops::linear_backward(&dm_in, w1.grad, nullptr, dfc1, a.m_in, w1.compute_value(),
-                         /*accumulate_dinp=*/false);
-    ops::linear_backward(&dm_in, w3.grad, nullptr, dfc3, a.m_in, w3.compute_value());
-  }
-  return tp_->enter_backward(dm_in);
+  Tensor dfc3 = gpt2 ? Tensor() : act({T, fl});
+  // dfc1 (dfc3) per block of dm = gather(dout), beside the gather of the next block under SP.
+  const Tensor dm = tp_->gather_overlapped(dout, [&](const Tensor& full, int64_t t0, int64_t n) {
+    const Tensor d = full.rows(t0, n);
+    Tensor g1 = dfc1.rows(t0, n);
+    if (gpt2) {
+      // dfc1 = gelu'(fc1) * (dm @ W2) (on CUDA bf16 without the dact in between)
+      ops::linear_dgelu_backward(g1, none, d, a.act.rows(t0, n), w2.compute_value(), a.fc1.rows(t0, n));
+    } else {
+      Tensor dact = act({n, fl});
+      ops::linear_backward(&dact, none, nullptr, d, a.act.rows(t0, n), w2.compute_value(),
+                           /*accumulate_dinp=*/false);
+      Tensor g3 = dfc3.rows(t0, n);
+      ops::swiglu_backward(g1, g3, dact, a.fc1.rows(t0, n), a.fc3.rows(t0, n), /*accumulate=*/false);
+    }
+  });
+  // The input gradient per row block, reduced over TP while the weight gradients are computed.
+  Tensor dm_in = act({T, C});
+  return tp_->reduce_overlapped(
+      dm_in,
+      [&](int64_t t0, int64_t n, Tensor& out) {
+        const Tensor x_rows = a.m_in.rows(t0, n);
+        ops::linear_backward(&out, none, nullptr, dfc1.rows(t0, n), x_rows, w1.compute_value(),
+                             /*accumulate_dinp=*/false);
+        if (w3) ops::linear_backward(&out, none, nullptr, dfc3.rows(t0, n), x_rows, w3->compute_value());
+      },
+      [&] {
+        ops::linear_backward(nullptr, w2.grad, nullptr, dm, a.act, w2.compute_value());
+        ops::linear_backward(nullptr, w1.grad, b1 ? &b1->grad : nullptr, dfc1, a.m_in, w1.compute_value());
+        if (w3) ops::linear_backward(nullptr, w3->grad, nullptr, dfc3, a.m_in, w3->compute_value());
+      });
 }
 
 Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor& dout, LayerActs& a) {
@@ -379,12 +419,16 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
   // Attention branch: h = x + exit(att @ Wo^T) (+ bias).
   Tensor dx = act(dh.shape());  // = dh + the attention norm's input gradient
   if (Param* b = ps_->find(pre + "attn.wo.bias")) ops::bias_backward(b->grad, dh);
-  Tensor do_full = tp_->exit_backward(dh);
   Tensor datt = act({T, heads_local_, D});
   Param& wo = p(pre + "attn.wo.weight");
-  Tensor datt2d = datt.view({T, heads_local_ * D});
-  ops::linear_backward(&datt2d, wo.grad, nullptr, do_full, a.att.view({T, heads_local_ * D}),
-                       wo.compute_value(), /*accumulate_dinp=*/false);
+  const Tensor datt2d = datt.view({T, heads_local_ * D}), att2d = a.att.view({T, heads_local_ * D});
+  Tensor none;  // no weight gradient: input gradients alone, per row block
+  // datt per block of do_full = gather(dh), beside the gather of the next block under SP.
+  const Tensor do_full = tp_->gather_overlapped(dh, [&](const Tensor& full, int64_t t0, int64_t n) {
+    Tensor d = datt2d.rows(t0, n);
+    ops::linear_backward(&d, none, nullptr, full.rows(t0, n), att2d.rows(t0, n), wo.compute_value(),
+                         /*accumulate_dinp=*/false);
+  });
   // The plain causal form overwrites dq/dk/dv (so it may run on cuDNN); the others add into zeros.
   const bool plain = !cp_ && cfg_.causal;
   Tensor dq = plain ? act(a.q.shape()) : act_zeros(a.q.shape());
@@ -409,37 +453,54 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
     dq = head_norm_backward(pre + "attn.q_norm", dq, a.q_raw, a.q_rstd);
     dk = head_norm_backward(pre + "attn.k_norm", dk, a.k_raw, a.k_rstd);
   }
-  Tensor da_in = act({T, C});
   // On the GPU, with q/k/v weights (and biases) back to back in the store: one matmul for the input
   // gradient and one for the weight gradients over [dq | dk | dv], instead of three narrow ones each.
   const bool biased = ps_->find(pre + "attn.wq.bias") != nullptr;
-  Tensor wqkv, gqkv, gbqkv;
+  Tensor wqkv, gqkv, gbqkv, dqkv;
   if (a.a_in.device() == Device::CUDA &&
       (wqkv = fused_weight(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"})).defined()) {
     gqkv = fused_grad(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"});
     if (biased) gbqkv = fused_grad(pre, {"attn.wq.bias", "attn.wk.bias", "attn.wv.bias"});
   }
   if (gqkv.defined()) {
-    Tensor dqkv = act({T, (heads_local_ + 2 * kv_local_) * D});
+    dqkv = act({T, (heads_local_ + 2 * kv_local_) * D});
     ops::qkv_merge(dqkv, dq, dk, dv);
-    ops::linear_backward(&da_in, gqkv, gbqkv.defined() ? &gbqkv : nullptr, dqkv, a.a_in, wqkv,
-                         /*accumulate_dinp=*/false);
-    if (biased && !gbqkv.defined())  // GPT-2: q and v biases, no key bias
-      for (auto [name, d] :
-           {std::pair<const char*, Tensor*>{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}})
-        if (Param* b = ps_->find(pre + name + ".bias")) ops::bias_backward(b->grad, *d);
-  } else {
-    bool first = true;
-    for (auto [name, d] :
-         {std::pair<const char*, Tensor*>{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}}) {
-      Param& w = p(pre + name + ".weight");
-      Param* b = ps_->find(pre + name + ".bias");
-      ops::linear_backward(&da_in, w.grad, b ? &b->grad : nullptr, *d, a.a_in, w.compute_value(),
-                           /*accumulate_dinp=*/!first);
-      first = false;
-    }
   }
-  Tensor dn1 = tp_->enter_backward(da_in);
+  const std::pair<const char*, Tensor*> qkv_grads[] = {{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}};
+  // The input gradient per row block, reduced over TP while the weight gradients are computed.
+  Tensor da_in = act({T, C});
+  Tensor dn1 = tp_->reduce_overlapped(
+      da_in,
+      [&](int64_t t0, int64_t n, Tensor& out) {
+        const Tensor x_rows = a.a_in.rows(t0, n);
+        if (dqkv.defined()) {
+          ops::linear_backward(&out, none, nullptr, dqkv.rows(t0, n), x_rows, wqkv,
+                               /*accumulate_dinp=*/false);
+          return;
+        }
+        bool first = true;
+        for (auto [name, d] : qkv_grads) {
+          ops::linear_backward(&out, none, nullptr, d->rows(t0, n), x_rows,
+                               p(pre + name + ".weight").compute_value(),
+                               /*accumulate_dinp=*/!first);
+          first = false;
+        }
+      },
+      [&] {
+        ops::linear_backward(nullptr, wo.grad, nullptr, do_full, att2d, wo.compute_value());
+        if (dqkv.defined()) {
+          ops::linear_backward(nullptr, gqkv, gbqkv.defined() ? &gbqkv : nullptr, dqkv, a.a_in, wqkv);
+          if (biased && !gbqkv.defined())  // GPT-2: q and v biases, no key bias
+            for (auto [name, d] : qkv_grads)
+              if (Param* b = ps_->find(pre + name + ".bias")) ops::bias_backward(b->grad, *d);
+          return;
+        }
+        for (auto [name, d] : qkv_grads) {
+          Param& w = p(pre + name + ".weight");
+          Param* b = ps_->find(pre + name + ".bias");
+          ops::linear_backward(nullptr, w.grad, b ? &b->grad : nullptr, *d, a.a_in, w.compute_value());
+        }
+      });
   norm_backward(pre + "attn_norm", dx, dn1, a.x_in, a.n1_mean, a.n1_rstd, &dh);
   return dx;
 }

@@ -157,14 +157,15 @@ void linear_backward(Tensor* dinp, Tensor& dweight, Tensor* dbias, const Tensor&
   int64_t OC = weight.size(0), IC = weight.size(1), T = rows(inp);
   NDT_CHECK(dout.numel() == T * OC, "linear_backward: dout has {} elements, expected {}", dout.numel(),
             T * OC);
+  Tensor* wgrad = dweight.defined() ? &dweight : nullptr;
   NDT_ON_CUDA(inp,
-              cuda::linear_backward<E>(dp_opt<E>(dinp, "dinp"), dp<float>(dweight, "dweight"),
+              cuda::linear_backward<E>(dp_opt<E>(dinp, "dinp"), dp_opt<float>(wgrad, "dweight"),
                                        dp_opt<float>(dbias, "dbias"), dp<E>(dout, "dout"), dp<E>(inp, "inp"),
                                        dp<E>(weight, "weight"), T, IC, OC, st(), accumulate_dinp));
   require_cpu(inp, "linear_backward");
   if (dinp && !accumulate_dinp) dinp->zero_();
-  cpu::linear_backward(dinp ? dinp->f32() : nullptr, dweight.f32(), dbias ? dbias->f32() : nullptr,
-                       dout.f32(), inp.f32(), weight.f32(), T, IC, OC);
+  cpu::linear_backward(dinp ? dinp->f32() : nullptr, wgrad ? wgrad->f32() : nullptr,
+                       dbias ? dbias->f32() : nullptr, dout.f32(), inp.f32(), weight.f32(), T, IC, OC);
 }
 
 void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp, const Tensor& weight,
@@ -598,7 +599,7 @@ void linear_dgelu_backward(Tensor& dpre, Tensor& dweight, const Tensor& dout, co
   if (on_cuda(act) && act.dtype() == DType::BF16 &&
       cuda::linear_dgelu_backward(dp<bf16>(dpre, "dpre"), dp<bf16>(dout, "dout"), dp<bf16>(weight, "weight"),
                                   dp<bf16>(pre, "pre"), T, IC, OC, st())) {
-    linear_backward(nullptr, dweight, nullptr, dout, act, weight);
+    if (dweight.defined()) linear_backward(nullptr, dweight, nullptr, dout, act, weight);
     return;
   }
 #endif

@@ -28,6 +28,8 @@ void add_position_embedding_backward(Tensor& dtable, const Tensor& dx, const Ten
 // GPU in the matmul's fp32 accumulator, rounded once: a residual add without its own pass).
 void linear_forward(Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor* bias,
                     bool accumulate = false);
+// dinp (+)= dout @ weight; dweight += dout^T @ inp (skipped when dweight is undefined: the input gradient
+// alone, e.g. per row block); dbias += column sums of dout.
 void linear_backward(Tensor* dinp, Tensor& dweight, Tensor* dbias, const Tensor& dout, const Tensor& inp,
                      const Tensor& weight, bool accumulate_dinp = true);
 
@@ -108,7 +110,8 @@ void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp, bool acc
 void linear_gelu_forward(Tensor& act, Tensor& pre, const Tensor& inp, const Tensor& weight,
                          const Tensor* bias);
 // The backward of out = act @ weight^T with act = gelu(pre): dpre(T, IC) = gelu'(pre) * (dout(T, OC) @
-// weight(OC, IC)), overwritten; dweight(OC, IC) += dout^T @ act; no bias gradient (bias_backward).
+// weight(OC, IC)), overwritten; dweight(OC, IC) += dout^T @ act (skipped when undefined); no bias gradient
+// (bias_backward).
 // [linear_backward(&d, dweight, nullptr, dout, act, weight, false); gelu_backward(dpre, d, pre, false)]
 void linear_dgelu_backward(Tensor& dpre, Tensor& dweight, const Tensor& dout, const Tensor& act,
                            const Tensor& weight, const Tensor& pre);

@@ -147,7 +147,8 @@ Result<std::unique_ptr<Layout>> Layout::create(const Config& cfg, Communicator& 
   if (!l->ep_) l->make_expert_groups(cfg.parallel.ep);
   if (cfg.parallel.ep > 1) l->ep_hooks_ = std::make_unique<CommEpHooks>(*l->ep_, l->expert_group("ep"));
   if (cfg.parallel.tp > 1)
-    l->tp_hooks_ = std::make_unique<CommTpHooks>(l->group("tp", {"tp"}), cfg.parallel.sequence_parallel);
+    l->tp_hooks_ = std::make_unique<CommTpHooks>(l->group("tp", {"tp"}), cfg.parallel.sequence_parallel,
+                                                 cfg.parallel.tp_comm_overlap);
   return l;
 }
 

@@ -179,6 +179,7 @@ const std::vector<KeyDef>& schema() {
       int_key("parallel.pp", 1, 4096, p(&P::pp)),
       str_key("parallel.order", {}, p(&P::order)),  // permutation checked in validate_config
       bool_key("parallel.sequence_parallel", p(&P::sequence_parallel)),
+      bool_key("parallel.tp_comm_overlap", p(&P::tp_comm_overlap)),
       bool_key("parallel.zero1", p(&P::zero1)),
       int_key("parallel.virtual_stages", 1, 1024, p(&P::virtual_stages)),
       str_key("parallel.schedule", {"1f1b", "interleaved", "gpipe"}, p(&P::schedule)),

@@ -140,6 +140,9 @@ struct ParallelConfig {
   int64_t tp = 1, cp = 1, ep = 1, dp = 1, pp = 1;
   std::string order = "tp-cp-ep-dp-pp";  // innermost first
   bool sequence_parallel = false;
+  // TP communication beside the matmuls (parallel/tp/comm_tp_hooks.h); false: each collective, then its
+  // matmul.
+  bool tp_comm_overlap = true;
   bool zero1 = false;
   int64_t virtual_stages = 1;
   std::string schedule = "1f1b";
