@@ -133,6 +133,31 @@ TEST(OpsGradcheck, Rope) {
   check_grad("dinp", inp, minus(dinp, prior), loss);
 }
 
+// The fused q/k/v split with RoPE (ops::qkv_split_rope) and its backward (ops::qkv_merge_rope_backward),
+// GQA with H = 3, KV = 2: finite differences of the split against the merge.
+TEST(OpsGradcheck, QkvSplitRopeMergeBackward) {
+  using ndt::Tensor;
+  namespace ops = ndt::ops;
+  std::mt19937 rng(16);
+  const int64_t T = 5, H = 3, KV = 2, D = 8, W = (H + 2 * KV) * D;
+  const float theta = 10000.0f;
+  auto posv = randint(T, rng, 0, 50);
+  const Tensor pos = Tensor::from_vector(posv, {T});
+  Vec inp = randn(T * W, rng), Rq = randn(T * H * D, rng), Rk = randn(T * KV * D, rng),
+      Rv = randn(T * KV * D, rng);
+  Tensor q = Tensor::empty({T, H, D}), k = Tensor::empty({T, KV, D}), v = Tensor::empty({T, KV, D});
+  auto loss = [&] {
+    ops::qkv_split_rope(q, k, v, Tensor::from_vector(inp, {T, W}), pos, theta);
+    return weighted_sum(q.to_vector<float>(), Rq) + weighted_sum(k.to_vector<float>(), Rk) +
+           weighted_sum(v.to_vector<float>(), Rv);
+  };
+  loss();
+  Tensor dqkv = Tensor::empty({T, W});
+  ops::qkv_merge_rope_backward(dqkv, Tensor::from_vector(Rq, {T, H, D}), Tensor::from_vector(Rk, {T, KV, D}),
+                               Tensor::from_vector(Rv, {T, KV, D}), pos, theta);
+  check_grad("dqkv", inp, dqkv.to_vector<float>(), loss);
+}
+
 // Several sequences of different lengths (one of length 1, two longer than the kernels' row blocks of
 // 16 and 32), GQA with H = 4, KV = 2.
 TEST(OpsGradcheck, Attention) {

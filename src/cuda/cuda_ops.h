@@ -115,6 +115,11 @@ void rope_forward(E* out, const E* inp, const int32_t* pos, int64_t T, int64_t H
 template <typename E>
 void qkv_split_rope(E* q, E* k, E* v, const E* qkv, const int32_t* pos, int64_t T, int64_t H, int64_t KV,
                     int64_t D, float theta, cudaStream_t stream = 0, const int32_t* kv_rows = nullptr);
+// The backward of qkv_split_rope: dqkv (T, (H + 2 KV) * D) = rows [dq rotated back | dk rotated back | dv],
+// each rotation exactly rope_backward's (overwritten, not accumulated).
+template <typename E>
+void qkv_merge_rope_backward(E* dqkv, const E* dq, const E* dk, const E* dv, const int32_t* pos, int64_t T,
+                             int64_t H, int64_t KV, int64_t D, float theta, cudaStream_t stream = 0);
 // dinp += inverse rotation of dout (dinp == dout is NOT allowed: it accumulates).
 template <typename E>
 void rope_backward(E* dinp, const E* dout, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta,

@@ -73,6 +73,30 @@ __global__ void qkv_split_rope_kernel(E* q, E* k, E* v, const E* qkv, const int3
     v[r * KV * D + idx] = x[(H + KV) * D + idx];
 }
 
+// The backward of the split (training): one block per token writes its row of the fused gradient
+// [dq rotated back | dk rotated back | dv], the rotation by the negated angles as in rope_backward, in one
+// pass instead of rope_backward's zero-fill, rotation and copy per tensor and a merge after them.
+template <typename E>
+__global__ void qkv_merge_rope_backward_kernel(E* dqkv, const E* dq, const E* dk, const E* dv,
+                                               const int32_t* pos, int64_t H, int64_t KV, int64_t D,
+                                               double log_theta) {
+  extern __shared__ float cs_sn[];
+  const int64_t t = blockIdx.x, half = D / 2;
+  rope_angles(cs_sn, pos[t], D, log_theta, -1.0f);
+  E* o = dqkv + t * (H + 2 * KV) * D;
+  for (int64_t idx = threadIdx.x; idx < (H + KV) * half; idx += blockDim.x) {
+    const int64_t h = idx / half, i = idx - h * half;
+    const int64_t j = h * D + i;
+    const E* x = h < H ? dq + t * H * D + j : dk + t * KV * D + (j - H * D);
+    const float x1 = to_f(x[0]), x2 = to_f(x[half]);
+    const float c = cs_sn[i], s = cs_sn[half + i];
+    o[j] = from_f<E>(x1 * c - x2 * s);
+    o[j + half] = from_f<E>(x2 * c + x1 * s);
+  }
+  for (int64_t idx = threadIdx.x; idx < KV * D; idx += blockDim.x)
+    o[(H + KV) * D + idx] = dv[t * KV * D + idx];
+}
+
 template <typename E, bool ACCUMULATE>
 void rope(E* out, const E* inp, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta, float sign,
           cudaStream_t stream) {
@@ -113,7 +137,22 @@ void qkv_split_rope(E* q, E* k, E* v, const E* qkv, const int32_t* pos, int64_t 
   NDT_CUDA_CHECK_LAUNCH();
 }
 
+template <typename E>
+void qkv_merge_rope_backward(E* dqkv, const E* dq, const E* dk, const E* dv, const int32_t* pos, int64_t T,
+                             int64_t H, int64_t KV, int64_t D, float theta, cudaStream_t stream) {
+  if (T <= 0) return;
+  NDT_CUDA_REQUIRE(D % 2 == 0, "qkv_merge_rope_backward: the head dim must be even");
+  const int block =
+      static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, ((H + KV) * D / 2 + 31) / 32 * 32)));
+  const size_t smem = sizeof(float) * static_cast<size_t>(D);
+  qkv_merge_rope_backward_kernel<E><<<static_cast<unsigned>(T), block, smem, stream>>>(
+      dqkv, dq, dk, dv, pos, H, KV, D, log(static_cast<double>(theta)));
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
 #define NDT_INSTANTIATE(E)                                                                                  \
+  template void qkv_merge_rope_backward<E>(E*, const E*, const E*, const E*, const int32_t*, int64_t,       \
+                                           int64_t, int64_t, int64_t, float, cudaStream_t);                 \
   template void qkv_split_rope<E>(E*, E*, E*, const E*, const int32_t*, int64_t, int64_t, int64_t, int64_t, \
                                   float, cudaStream_t, const int32_t*);                                     \
   template void rope_forward<E>(E*, const E*, const int32_t*, int64_t, int64_t, int64_t, float,             \

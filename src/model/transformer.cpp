@@ -445,14 +445,6 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
     ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, scale,
                             /*accumulate=*/false);
   phase_mark(a.q.device(), "other");
-  if (!cfg_.is_gpt2()) {
-    ops::rope_backward(dq, mb.positions, theta);
-    ops::rope_backward(dk, mb.positions, theta);
-  }
-  if (!cfg_.is_gpt2() && cfg_.qk_norm) {
-    dq = head_norm_backward(pre + "attn.q_norm", dq, a.q_raw, a.q_rstd);
-    dk = head_norm_backward(pre + "attn.k_norm", dk, a.k_raw, a.k_rstd);
-  }
   // On the GPU, with q/k/v weights (and biases) back to back in the store: one matmul for the input
   // gradient and one for the weight gradients over [dq | dk | dv], instead of three narrow ones each.
   const bool biased = ps_->find(pre + "attn.wq.bias") != nullptr;
@@ -462,9 +454,24 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
     gqkv = fused_grad(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"});
     if (biased) gbqkv = fused_grad(pre, {"attn.wq.bias", "attn.wk.bias", "attn.wv.bias"});
   }
+  // RoPE models without q/k norms: the inverse rotation happens while [dq | dk | dv] is assembled (dq and dk
+  // themselves stay unrotated, so nothing may read them after: no per-tensor biases then).
+  const bool rope = !cfg_.is_gpt2();
+  const bool merge_rope = gqkv.defined() && rope && !cfg_.qk_norm && (!biased || gbqkv.defined());
+  if (rope && !merge_rope) {
+    ops::rope_backward(dq, mb.positions, theta);
+    ops::rope_backward(dk, mb.positions, theta);
+  }
+  if (rope && cfg_.qk_norm) {
+    dq = head_norm_backward(pre + "attn.q_norm", dq, a.q_raw, a.q_rstd);
+    dk = head_norm_backward(pre + "attn.k_norm", dk, a.k_raw, a.k_rstd);
+  }
   if (gqkv.defined()) {
     dqkv = act({T, (heads_local_ + 2 * kv_local_) * D});
-    ops::qkv_merge(dqkv, dq, dk, dv);
+    if (merge_rope)
+      ops::qkv_merge_rope_backward(dqkv, dq, dk, dv, mb.positions, theta);
+    else
+      ops::qkv_merge(dqkv, dq, dk, dv);
   }
   const std::pair<const char*, Tensor*> qkv_grads[] = {{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}};
   // The input gradient per row block, reduced over TP while the weight gradients are computed.

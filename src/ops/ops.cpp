@@ -323,6 +323,22 @@ void qkv_merge(Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v) {
   }
 }
 
+void qkv_merge_rope_backward(Tensor& dqkv, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                             const Tensor& pos, float theta) {
+  const int64_t T = dq.size(0), H = dq.size(1), KV = dk.size(1), D = dq.size(2);
+  require_shape(dk, {T, KV, D}, "qkv_merge_rope_backward dk");
+  require_shape(dv, {T, KV, D}, "qkv_merge_rope_backward dv");
+  require_shape(dqkv, {T, (H + 2 * KV) * D}, "qkv_merge_rope_backward dqkv");
+  NDT_ON_CUDA(dqkv, Tensor pk; cuda::qkv_merge_rope_backward<E>(
+                  dp<E>(dqkv, "dqkv"), dp<E>(dq, "dq"), dp<E>(dk, "dk"), dp<E>(dv, "dv"),
+                  dev_meta<int32_t>(pos, pk), T, H, KV, D, theta, st()));
+  require_cpu(dqkv, "qkv_merge_rope_backward");
+  Tensor rq = Tensor::zeros(dq.shape()), rk = Tensor::zeros(dk.shape());
+  cpu::rope_backward(rq.f32(), dq.f32(), pos.i32(), T, H, D, theta);
+  cpu::rope_backward(rk.f32(), dk.f32(), pos.i32(), T, KV, D, theta);
+  qkv_merge(dqkv, rq, rk, dv);
+}
+
 void rope_backward(Tensor& dx, const Tensor& pos, float theta) {
   // Backward is the inverse rotation; it writes (not accumulates) when input and output alias, so
   // rotate a copy into a zeroed buffer and store it back.

@@ -61,6 +61,10 @@ void qkv_split_rope(Tensor& q, Tensor& k, Tensor& v, const Tensor& qkv, const Te
 // The inverse of the split without the rotation: qkv(T, (H + 2 KV) D) = [q | k | v] row by row (their
 // gradients as one operand of the fused q/k/v matmul's backward).
 void qkv_merge(Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v);
+// The backward of qkv_split_rope (without kv_rows): qkv_merge of dq and dk rotated back by positions pos(T)
+// (rope_backward) and dv, in one pass on the GPU; dq, dk, dv are left as they are.
+void qkv_merge_rope_backward(Tensor& dqkv, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                             const Tensor& pos, float theta);
 
 // q(T, H, D), k/v(T, KV, D), cu_seqlens(nseq + 1); out(T, H, D), lse(T, H). Backward adds into dq/dk/dv,
 // or overwrites them with accumulate = false (which lets bf16 CUDA runs with equal-length segments and a

@@ -439,6 +439,30 @@ TYPED_TEST(CudaOps, QkvSplitRopeAndFusedSwiglu) {
   expect_close<E>("swiglu_forward_fused", out.get(), ro);
 }
 
+// The training backward of the split: [dq | dk | dv] with dq and dk rotated back, against the CPU's
+// rope_backward of each and the row-by-row layout.
+TYPED_TEST(CudaOps, QkvMergeRopeBackward) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  const int64_t H = 4, KV = 2, D = 64, W = (H + 2 * KV) * D;
+  const Vec dq = rounded<E>(randv(T * H * D, 74)), dk = rounded<E>(randv(T * KV * D, 75)),
+            dv = rounded<E>(randv(T * KV * D, 76));
+  const auto pos = randi(T, 77, 0, 5000);
+  DevI dpos(pos);
+  Dev<E> ddq(dq), ddk(dk), ddv(dv), dqkv(T * W);
+  ndt::cuda::qkv_merge_rope_backward<E>(dqkv.p, ddq.p, ddk.p, ddv.p, dpos.p, T, H, KV, D, 10000.f);
+  Vec rq(T * H * D, 0.0f), rk(T * KV * D, 0.0f), ref(T * W);
+  ndt::cpu::rope_backward(rq.data(), dq.data(), pos.data(), T, H, D, 10000.f);
+  ndt::cpu::rope_backward(rk.data(), dk.data(), pos.data(), T, KV, D, 10000.f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < W; ++j)
+      ref[t * W + j] = j < H * D          ? rq[t * H * D + j]
+                       : j < (H + KV) * D ? rk[t * KV * D + j - H * D]
+                                          : dv[t * KV * D + j - (H + KV) * D];
+  expect_close<E>("qkv_merge_rope_backward", dqkv.get(), ref);
+  EXPECT_EQ(ddq.get(), dq);  // the inputs are left as they were
+}
+
 // The fused q/k/v backward's operand: [dq | dk | dv] row by row, an exact copy (compared bit for bit with
 // the row-by-row layout), on the 16-byte path (widths multiples of 8) and the element path.
 TYPED_TEST(CudaOps, ConcatCols3) {
