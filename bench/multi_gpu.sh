@@ -4,7 +4,8 @@
 # (metrics.jsonl); layouts that need more GPUs than the host has are skipped. Sections (SECTIONS="..."):
 #   cp     the 1B Llama on 8192-token sequences over 1, 2 and 4 GPUs of context parallelism (ring and
 #          all-gather attention); strong scaling: "of GPUs x 1 GPU" is tokens/s over GPUs x one GPU's
-#   llama  configs/llama-1b.yaml, 8 x 2048 tokens per model replica: 1 GPU, tp2 + SP, pp2 (8 microbatches
+#   llama  configs/llama-1b.yaml, 8 x 2048 tokens per model replica: 1 GPU, tp2 + SP (with and without
+#          parallel.tp_comm_overlap), pp2 (8 microbatches
 #          of 1, 1F1B), dp2, and on 4 GPUs tp2 + SP x dp2, pp2 x dp2, dp4; efficiency = tokens/s against
 #          (GPUs x the 1-GPU run); the pipeline rows add the measured and theoretical bubble
 #   moe    configs/moe-1b.yaml, 8 x 2048 tokens per GPU (weak scaling): 1 GPU, ep2 (dp2), ep4 (dp4); then
@@ -87,6 +88,8 @@ if [[ " $sections " == *" llama "* ]]; then
     base=$(python3 -c "print(16384 / $step)")
   run llama_tp2_sp 2 "${L[@]}" parallel.tp=2 parallel.sequence_parallel=true train.micro_batch=4 \
     train.global_batch=8 && row tp2_sp 2 16384
+  run llama_tp2_sp_serial 2 "${L[@]}" parallel.tp=2 parallel.sequence_parallel=true \
+    parallel.tp_comm_overlap=false train.micro_batch=4 train.global_batch=8 && row tp2_sp_no_overlap 2 16384
   run llama_pp2 2 "${L[@]}" parallel.pp=2 train.micro_batch=1 train.global_batch=8 && row pp2_m8 2 16384
   run llama_dp2 2 "${L[@]}" parallel.dp=2 train.micro_batch=4 train.global_batch=16 && row dp2 2 32768
   run llama_tp2_sp_dp2 4 "${L[@]}" parallel.tp=2 parallel.dp=2 parallel.sequence_parallel=true \
