@@ -253,9 +253,11 @@ class Graph {
   int64_t next_uid_ = 100;
 };
 
+// dq_row / dkv_row: elements between consecutive tokens' rows of dQ and of dK, dV (H * D and KV * D when
+// they are tensors of their own; the fused q/k/v gradient's width when they are its column blocks).
 struct Shape {
-  int64_t B, S, H, KV, D;
-  auto key() const { return std::make_tuple(B, S, H, KV, D); }
+  int64_t B, S, H, KV, D, dq_row, dkv_row;
+  auto key() const { return std::make_tuple(B, S, H, KV, D, dq_row, dkv_row); }
 };
 
 // Variants tried in order: statistics strided like our lse first (no conversion), then packed (B, H, S);
@@ -276,10 +278,11 @@ struct Plan {
 
 // Layouts shared by both graphs.
 struct Layout {
-  Dims q, q_str, kt, kt_str, v, v_str, s, s_str, st, st_str, red_str;
+  Dims q, q_str, kt, kt_str, v, v_str, s, s_str, st, st_str, red_str, dq_str, dkv_str;
   Layout(const Shape& x, bool packed_stats) {
     const int64_t B = x.B, S = x.S, H = x.H, KV = x.KV, D = x.D;
     q = {B, H, S, D}, q_str = {S * H * D, D, H * D, 1};
+    dq_str = {S * x.dq_row, D, x.dq_row, 1}, dkv_str = {S * x.dkv_row, D, x.dkv_row, 1};
     kt = {B, KV, D, S}, kt_str = {S * KV * D, D, 1, KV * D};
     v = {B, KV, S, D}, v_str = {S * KV * D, D, KV * D, 1};
     s = {B, H, S, S}, s_str = {H * S * S, S * S, S, 1};
@@ -339,8 +342,8 @@ void build_backward(Graph& g, const Shape& x, Variant var) {
   Tn V = g.tensor(kV, bf, L.kt, L.kt_str, false);  // V^T, like K
   Tn O = g.tensor(kO, bf, L.q, L.q_str, false), dO = g.tensor(kDO, bf, L.q, L.q_str, false);
   Tn stats = g.tensor(kStats, f32, L.st, L.st_str, false);
-  Tn dQ = g.tensor(kDQ, bf, L.q, L.q_str, false);
-  Tn dK = g.tensor(kDK, bf, L.v, L.v_str, false), dV = g.tensor(kDV, bf, L.v, L.v_str, false);
+  Tn dQ = g.tensor(kDQ, bf, L.q, L.dq_str, false);
+  Tn dK = g.tensor(kDK, bf, L.v, L.dkv_str, false), dV = g.tensor(kDV, bf, L.v, L.dkv_str, false);
   Tn dsum = g.tensor(kSum, f32, L.st, L.red_str, false);
   Tn dq_acc = g.tensor(kDqAcc, f32, full, full_str, false);
   Tn scale = g.scalar(kScale), neg = g.scalar(kNegInf), one = g.scalar(kOne);
@@ -419,7 +422,9 @@ std::mutex g_mutex;
 
 // The cached plan for (direction, device, shape), built on first use; nullptr when cuDNN refuses.
 const Plan* plan_for(bool backward, const Shape& x, cudnnHandle_t h) {
-  static std::map<std::tuple<bool, cudnnHandle_t, int64_t, int64_t, int64_t, int64_t, int64_t>, Plan> cache;
+  static std::map<
+      std::tuple<bool, cudnnHandle_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>, Plan>
+      cache;
   const auto key = std::tuple_cat(std::make_tuple(backward, h), x.key());
   auto it = cache.find(key);
   if (it != cache.end()) return it->second.ok ? &it->second : nullptr;
@@ -491,7 +496,7 @@ bool cudnn_attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16
   std::lock_guard<std::mutex> lock(g_mutex);
   cudnnHandle_t h = handle_for_current_device();
   if (!h) return false;
-  const Plan* p = plan_for(false, Shape{B, S, H, KV, D}, h);
+  const Plan* p = plan_for(false, Shape{B, S, H, KV, D, H * D, KV * D}, h);
   if (!p) return false;
   const int64_t stats_bytes = p->variant.packed_stats ? align256(B * S * H * 4) : 0;
   Scratch ws(static_cast<size_t>(align256(p->workspace) + stats_bytes), stream);
@@ -513,12 +518,14 @@ bool cudnn_attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16
 bool cudnn_attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
                               const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
                               const __nv_bfloat16* v, const __nv_bfloat16* out, const float* lse, int64_t B,
-                              int64_t S, int64_t H, int64_t KV, int64_t D, float scale, cudaStream_t stream) {
+                              int64_t S, int64_t H, int64_t KV, int64_t D, float scale, cudaStream_t stream,
+                              int64_t dq_row, int64_t dkv_row) {
   if (!usable(D) || B <= 0 || S <= 0 || H % KV != 0 || !dq || !dk || !dv) return false;
   std::lock_guard<std::mutex> lock(g_mutex);
   cudnnHandle_t h = handle_for_current_device();
   if (!h) return false;
-  const Plan* p = plan_for(true, Shape{B, S, H, KV, D}, h);
+  const Plan* p =
+      plan_for(true, Shape{B, S, H, KV, D, dq_row > 0 ? dq_row : H * D, dkv_row > 0 ? dkv_row : KV * D}, h);
   if (!p) return false;
   // workspace | Dsum (B, H, S) | dQ accumulator (B, H, S, D) fp32 [| packed stats]
   const int64_t w0 = align256(p->workspace), w1 = align256(B * H * S * 4), w2 = align256(B * H * S * D * 4);
@@ -563,7 +570,7 @@ bool cudnn_attention_forward(__nv_bfloat16*, float*, const __nv_bfloat16*, const
 bool cudnn_attention_backward(__nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, const __nv_bfloat16*,
                               const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                               const __nv_bfloat16*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                              float, cudaStream_t) {
+                              float, cudaStream_t, int64_t, int64_t) {
   return false;
 }
 }  // namespace ndt::cuda

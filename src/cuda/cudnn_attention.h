@@ -5,7 +5,9 @@
 // (flash_attention.h): q/out (B*S, H, D), k/v (B*S, KV, D), lse (B*S, H) fp32 natural-log sum-exp of the
 // scaled scores, so either kernel's forward feeds the other's backward.
 //
-// Backward here OVERWRITES dq, dk, dv (the caller asks for it; cuDNN has no accumulating form).
+// Backward here OVERWRITES dq, dk, dv (the caller asks for it; cuDNN has no accumulating form). dq_row /
+// dkv_row (0: H * D / KV * D) are the elements from one token's row of dq / of dk and dv to the next: the
+// backward can write straight into the column blocks of a fused [dq | dk | dv] gradient.
 //
 // cuDNN is loaded at run time (dlopen of libcudnn.so.9, or $NDT_CUDNN_LIB): a binary built here runs on a
 // machine without cuDNN and uses the built-in kernels there. Each call returns false, launching nothing,
@@ -33,7 +35,8 @@ bool cudnn_attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16
 bool cudnn_attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
                               const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
                               const __nv_bfloat16* v, const __nv_bfloat16* out, const float* lse, int64_t B,
-                              int64_t S, int64_t H, int64_t KV, int64_t D, float scale, cudaStream_t stream);
+                              int64_t S, int64_t H, int64_t KV, int64_t D, float scale, cudaStream_t stream,
+                              int64_t dq_row = 0, int64_t dkv_row = 0);
 
 // lse layout conversions for the cuDNN statistics tensor: (B*S, H) rows <-> (B, H, S) packed.
 void lse_rows_to_bhs(float* dst, const float* src, int64_t B, int64_t S, int64_t H, cudaStream_t stream);

@@ -166,6 +166,17 @@ void Transformer::head_norm_forward(const std::string& prefix, const Tensor& raw
                        static_cast<float>(cfg_.norm_eps));
 }
 
+void Transformer::qkv_bias_grads(const std::string& pre, const Tensor& dqkv) {
+  // One column-sum pass over [dq | dk | dv]; each bias takes its block (GPT-2 has no key bias).
+  const int64_t hq = heads_local_ * cfg_.head_dim(), hk = kv_local_ * cfg_.head_dim();
+  Tensor sums = Tensor::zeros({dqkv.size(1)}, DType::F32, dqkv.device());
+  ops::bias_backward(sums, dqkv);
+  const std::tuple<const char*, int64_t, int64_t> blocks[] = {
+      {"attn.wq", 0, hq}, {"attn.wk", hq, hk}, {"attn.wv", hq + hk, hk}};
+  for (auto [name, first, n] : blocks)
+    if (Param* b = ps_->find(pre + name + ".bias")) ops::add_(b->grad, sums.view_at(first, {n}));
+}
+
 Tensor Transformer::head_norm_backward(const std::string& prefix, const Tensor& dout, const Tensor& raw,
                                        const Tensor& rstd) {
   const int64_t rows = raw.size(0) * raw.size(1), D = raw.size(2);
@@ -429,22 +440,6 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
     ops::linear_backward(&d, none, nullptr, full.rows(t0, n), att2d.rows(t0, n), wo.compute_value(),
                          /*accumulate_dinp=*/false);
   });
-  // The plain causal form overwrites dq/dk/dv (so it may run on cuDNN); the others add into zeros.
-  const bool plain = !cp_ && cfg_.causal;
-  Tensor dq = plain ? act(a.q.shape()) : act_zeros(a.q.shape());
-  Tensor dk = plain ? act(a.k.shape()) : act_zeros(a.k.shape());
-  Tensor dv = plain ? act(a.v.shape()) : act_zeros(a.v.shape());
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  phase_mark(a.q.device(), "attention core");
-  if (cp_)
-    cp_->attention_backward(mb, datt, a.q, a.k, a.v, a.att, a.lse, dq, dk, dv, scale);
-  else if (!cfg_.causal)
-    ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, mb.cu_seqlens,
-                            zero_positions(T), zero_positions(T), scale);
-  else
-    ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, scale,
-                            /*accumulate=*/false);
-  phase_mark(a.q.device(), "other");
   // On the GPU, with q/k/v weights (and biases) back to back in the store: one matmul for the input
   // gradient and one for the weight gradients over [dq | dk | dv], instead of three narrow ones each.
   const bool biased = ps_->find(pre + "attn.wq.bias") != nullptr;
@@ -454,10 +449,33 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
     gqkv = fused_grad(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"});
     if (biased) gbqkv = fused_grad(pre, {"attn.wq.bias", "attn.wk.bias", "attn.wv.bias"});
   }
+  if (gqkv.defined()) dqkv = act({T, (heads_local_ + 2 * kv_local_) * D});
+  // The plain causal form overwrites dq/dk/dv (so it may run on cuDNN); the others add into zeros. Without
+  // RoPE it writes [dq | dk | dv] straight into the fused gradient (dq, dk, dv stay empty).
+  const bool plain = !cp_ && cfg_.causal, rope = !cfg_.is_gpt2();
+  const bool direct = dqkv.defined() && plain && !rope;
+  Tensor dq, dk, dv;
+  if (!direct) {
+    dq = plain ? act(a.q.shape()) : act_zeros(a.q.shape());
+    dk = plain ? act(a.k.shape()) : act_zeros(a.k.shape());
+    dv = plain ? act(a.v.shape()) : act_zeros(a.v.shape());
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  phase_mark(a.q.device(), "attention core");
+  if (direct)
+    ops::attention_backward_qkv(dqkv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, scale);
+  else if (cp_)
+    cp_->attention_backward(mb, datt, a.q, a.k, a.v, a.att, a.lse, dq, dk, dv, scale);
+  else if (!cfg_.causal)
+    ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, mb.cu_seqlens,
+                            zero_positions(T), zero_positions(T), scale);
+  else
+    ops::attention_backward(dq, dk, dv, datt, a.q, a.k, a.v, a.att, a.lse, mb.cu_seqlens, scale,
+                            /*accumulate=*/false);
+  phase_mark(a.q.device(), "other");
   // RoPE models without q/k norms: the inverse rotation happens while [dq | dk | dv] is assembled (dq and dk
   // themselves stay unrotated, so nothing may read them after: no per-tensor biases then).
-  const bool rope = !cfg_.is_gpt2();
-  const bool merge_rope = gqkv.defined() && rope && !cfg_.qk_norm && (!biased || gbqkv.defined());
+  const bool merge_rope = dqkv.defined() && rope && !cfg_.qk_norm && (!biased || gbqkv.defined());
   if (rope && !merge_rope) {
     ops::rope_backward(dq, mb.positions, theta);
     ops::rope_backward(dk, mb.positions, theta);
@@ -466,13 +484,10 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
     dq = head_norm_backward(pre + "attn.q_norm", dq, a.q_raw, a.q_rstd);
     dk = head_norm_backward(pre + "attn.k_norm", dk, a.k_raw, a.k_rstd);
   }
-  if (gqkv.defined()) {
-    dqkv = act({T, (heads_local_ + 2 * kv_local_) * D});
-    if (merge_rope)
-      ops::qkv_merge_rope_backward(dqkv, dq, dk, dv, mb.positions, theta);
-    else
-      ops::qkv_merge(dqkv, dq, dk, dv);
-  }
+  if (merge_rope)
+    ops::qkv_merge_rope_backward(dqkv, dq, dk, dv, mb.positions, theta);
+  else if (dqkv.defined() && !direct)
+    ops::qkv_merge(dqkv, dq, dk, dv);
   const std::pair<const char*, Tensor*> qkv_grads[] = {{"attn.wq", &dq}, {"attn.wk", &dk}, {"attn.wv", &dv}};
   // The input gradient per row block, reduced over TP while the weight gradients are computed.
   Tensor da_in = act({T, C});
@@ -497,9 +512,7 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
         ops::linear_backward(nullptr, wo.grad, nullptr, do_full, att2d, wo.compute_value());
         if (dqkv.defined()) {
           ops::linear_backward(nullptr, gqkv, gbqkv.defined() ? &gbqkv : nullptr, dqkv, a.a_in, wqkv);
-          if (biased && !gbqkv.defined())  // GPT-2: q and v biases, no key bias
-            for (auto [name, d] : qkv_grads)
-              if (Param* b = ps_->find(pre + name + ".bias")) ops::bias_backward(b->grad, *d);
+          if (biased && !gbqkv.defined()) qkv_bias_grads(pre, dqkv);  // GPT-2: q and v biases, no key bias
           return;
         }
         for (auto [name, d] : qkv_grads) {

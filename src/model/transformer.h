@@ -126,6 +126,8 @@ class Transformer {
   Tensor mlp_forward(const std::string& prefix, int64_t fl, LayerActs& a, Tensor* residual = nullptr);
   Tensor mlp_backward(const std::string& prefix, int64_t fl, const Tensor& dout, LayerActs& a);
   void mlp_params(const std::string& prefix, int64_t width);
+  // The q/k/v bias gradients from the fused [dq | dk | dv] when the biases are not back to back in the store.
+  void qkv_bias_grads(const std::string& pre, const Tensor& dqkv);
   // model.qk_norm: RMSNorm over D of every head of raw (T, heads, D) with the weight prefix.weight (D),
   // shared by the heads; out fresh (T, heads, D), rstd (T * heads). Backward: dx (T, heads, D) fresh.
   void head_norm_forward(const std::string& prefix, const Tensor& raw, Tensor& out, Tensor& rstd);

@@ -415,6 +415,28 @@ void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, 
                           lse.f32(), cu_seqlens.i32(), cu_seqlens.numel() - 1, T, H, KV, D, scale);
 }
 
+void attention_backward_qkv(Tensor& dqkv, const Tensor& dout, const Tensor& q, const Tensor& k,
+                            const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
+                            float scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1), W = (H + 2 * KV) * D;
+  require_shape(dqkv, {T, W}, "attention_backward_qkv dqkv");
+#ifdef NDT_HAVE_CUDA
+  if (auto [B, S] = cudnn_segments(q, cu_seqlens); B > 0) {
+    bf16* g = dp<bf16>(dqkv, "dqkv");
+    if (cuda::cudnn_attention_backward(g, g + H * D, g + (H + KV) * D, dp<bf16>(dout, "att dout"),
+                                       dp<bf16>(q, "q"), dp<bf16>(k, "k"), dp<bf16>(v, "v"),
+                                       dp<bf16>(out, "att out"), dp<float>(lse, "att lse"), B, S, H, KV, D,
+                                       scale, st(), W, W))
+      return;
+  }
+#endif
+  Tensor dq = Tensor::empty(q.shape(), q.dtype(), q.device()),
+         dk = Tensor::empty(k.shape(), k.dtype(), k.device()),
+         dv = Tensor::empty(v.shape(), v.dtype(), v.device());
+  attention_backward(dq, dk, dv, dout, q, k, v, out, lse, cu_seqlens, scale, /*accumulate=*/false);
+  qkv_merge(dqkv, dq, dk, dv);
+}
+
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& cu_q, const Tensor& cu_k, const Tensor& pos_q, const Tensor& pos_k,
                        float scale) {

@@ -74,6 +74,11 @@ void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& 
 void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                         const Tensor& cu_seqlens, float scale, bool accumulate = true);
+// The causal backward above (accumulate = false) into the fused q/k/v gradient dqkv(T, (H + 2 KV) D), rows
+// [dq | dk | dv] (= attention_backward, then qkv_merge): on the GPU's cuDNN path written there directly.
+void attention_backward_qkv(Tensor& dqkv, const Tensor& dout, const Tensor& q, const Tensor& k,
+                            const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
+                            float scale);
 // General form (context parallelism, contract in cpu_ops.h): queries q(Tq, H, D) against keys
 // k/v(Tk, KV, D) of the same sequences, cu_q/cu_k (nseq + 1), visible iff pos_k <= pos_q.
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,

@@ -187,6 +187,42 @@ TEST(CudnnAttention, OpsDispatchAgreesWithBuiltInKernel) {
   }
 }
 
+// The backward written straight into the column blocks of a fused [dq | dk | dv] gradient (strided cuDNN
+// outputs) against the separate tensors merged after, with cuDNN and with the built-in kernel.
+TEST(CudnnAttention, BackwardIntoFusedQkv) {
+  NDT_REQUIRE_CUDNN();
+  using ndt::DType;
+  using ndt::Tensor;
+  for (auto [H, KV] : {std::pair<int64_t, int64_t>{4, 2}, {12, 12}}) {
+    const int64_t D = 64, S = 256, B = 3, T = B * S, W = (H + 2 * KV) * D;
+    auto dev = [&](const Vec& x, ndt::Shape s) {
+      return ndt::testing::to_device_as(Tensor::from_vector(x, s), DType::BF16);
+    };
+    Tensor q = dev(randv(T * H * D, 21, 2.f), {T, H, D}), k = dev(randv(T * KV * D, 22), {T, KV, D});
+    Tensor v = dev(randv(T * KV * D, 23), {T, KV, D}), dout = dev(randv(T * H * D, 24), {T, H, D});
+    Tensor cu = Tensor::from_vector(std::vector<int32_t>{0, 256, 512, 768}, {B + 1});
+    Tensor out = Tensor::empty({T, H, D}, DType::BF16, ndt::Device::CUDA);
+    Tensor lse = Tensor::empty({T, H}, DType::F32, ndt::Device::CUDA);
+    ndt::ops::attention_forward(out, lse, q, k, v, cu, 0.125f);
+    Tensor fused = Tensor::empty({T, W}, DType::BF16, ndt::Device::CUDA);
+    ndt::ops::attention_backward_qkv(fused, dout, q, k, v, out, lse, cu, 0.125f);
+    const Vec got = host_f32(fused);
+    for (int use_cudnn : {1, 0}) {
+      ndt::cuda::set_cudnn_attention_enabled(use_cudnn == 1);
+      Tensor dq = Tensor::empty(q.shape(), DType::BF16, ndt::Device::CUDA);
+      Tensor dk = Tensor::empty(k.shape(), DType::BF16, ndt::Device::CUDA);
+      Tensor dv = Tensor::empty(v.shape(), DType::BF16, ndt::Device::CUDA);
+      ndt::ops::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, cu, 0.125f, /*accumulate=*/false);
+      Tensor ref = Tensor::empty({T, W}, DType::BF16, ndt::Device::CUDA);
+      ndt::ops::qkv_merge(ref, dq, dk, dv);
+      expect_close("fused [dq | dk | dv] H" + std::to_string(H) + "/KV" + std::to_string(KV) + " vs " +
+                       (use_cudnn ? "cuDNN, merged" : "built-in, merged"),
+                   got, host_f32(ref), use_cudnn ? 1e-3 : 1e-2);
+    }
+    ndt::cuda::set_cudnn_attention_enabled(true);
+  }
+}
+
 // ---- timings (device runs only: --gtest_also_run_disabled_tests --gtest_filter='CudnnAttentionBench*') ----
 using ndt::testing::time_ms;
 
