@@ -188,6 +188,28 @@ double cross_entropy_forward(float* losses, const E* logits, const int32_t* targ
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, int64_t step,
                   __nv_bfloat16* param_bf16 = nullptr, float grad_scale = 1.0f, cudaStream_t stream = 0);
+// One range of adamw_update_runs: its own pointers (a parameter run, its gradient and state), n elements,
+// weight decay on or off. chunk0: the index of its first chunk of kAdamwChunk elements (filled by
+// adamw_plan_runs).
+struct AdamwRun {
+  float* param;
+  const float* grad;
+  float* m;
+  float* v;
+  __nv_bfloat16* param_bf16;
+  int64_t n;
+  int64_t chunk0;
+  int32_t decay;
+  int32_t vec;  // every pointer 16-byte aligned: packs of 4
+};
+constexpr int64_t kAdamwChunk = 1 << 14;
+// Fills chunk0 and vec of each run; returns the total number of chunks (the launch's blocks).
+int64_t adamw_plan_runs(AdamwRun* runs, int nruns);
+// adamw_update over every run in ONE launch (an optimizer step over many parameters without a launch
+// each, the same arithmetic per element): runs_dev holds the planned runs in device memory.
+void adamw_update_runs(const AdamwRun* runs_dev, int nruns, int64_t chunks, float lr, float beta1,
+                       float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
+                       cudaStream_t stream = 0);
 // *result (device double) = (accumulate ? *result : 0) + sum of x^2; deterministic (fixed blocks).
 void sum_squares_device(double* result, const float* x, int64_t n, bool accumulate = false,
                         cudaStream_t stream = 0);

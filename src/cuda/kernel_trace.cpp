@@ -103,6 +103,39 @@ uint64_t overlap(const std::vector<Interval>& a, const std::vector<Interval>& b)
   return n;
 }
 
+// The GPU's idle gaps longer than 20 us, grouped by the activity that ends before and starts after each
+// (where the GPU waits for the host: a synchronization, a launch gap), the largest totals first.
+std::string idle_gaps(const std::vector<TraceRecord>& records, double per) {
+  std::vector<const TraceRecord*> order;
+  for (const TraceRecord& r : records) order.push_back(&r);
+  std::stable_sort(order.begin(), order.end(),
+                   [](const TraceRecord* a, const TraceRecord* b) { return a->start_ns < b->start_ns; });
+  auto label = [](const TraceRecord& r) {
+    std::string n = r.kind == 'k' ? r.name : r.kind == 'c' ? "[copy]" : "[fill]";
+    return n.size() > 48 ? n.substr(0, 45) + "..." : n;
+  };
+  std::map<std::string, std::pair<int64_t, uint64_t>> gaps;  // "before -> after" -> (count, ns)
+  uint64_t end = 0;
+  const TraceRecord* last = nullptr;
+  for (const TraceRecord* r : order) {
+    if (last && r->start_ns > end + 20000) {
+      auto& g = gaps[label(*last) + " -> " + label(*r)];
+      ++g.first;
+      g.second += r->start_ns - end;
+    }
+    if (r->end_ns > end) end = r->end_ns, last = r;
+  }
+  std::vector<std::pair<std::string, std::pair<int64_t, uint64_t>>> sorted(gaps.begin(), gaps.end());
+  std::stable_sort(sorted.begin(), sorted.end(),
+                   [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
+  std::string s =
+      "idle gaps over 20 us, by the activity before and after (ms per step, count over the window):\n";
+  for (size_t i = 0; i < sorted.size() && i < 10; ++i)
+    s += fmt::format("{:9.3f} {:6}  {}\n", static_cast<double>(sorted[i].second.second) * per,
+                     sorted[i].second.first, sorted[i].first);
+  return s;
+}
+
 }  // namespace
 
 std::string trace_summary(const std::vector<TraceRecord>& records, int64_t steps, int top) {
@@ -174,6 +207,7 @@ std::string trace_summary(const std::vector<TraceRecord>& records, int64_t steps
                      100.0 * static_cast<double>(cum) / static_cast<double>(kernel_ns),
                      kernel_class_name(classify_kernel(name)), name);
   }
+  s += idle_gaps(records, per);
   return s;
 }
 

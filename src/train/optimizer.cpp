@@ -300,36 +300,40 @@ void Optimizer::step(double lr) {
 
 #ifdef NDT_HAVE_CUDA
 void Optimizer::step_device(double lr) {
-  // One fused launch per run of adjacent parameters with the same weight decay (within a region); it
-  // applies the clip factor and writes the bf16 compute copy in the same pass.
+  // One fused launch over every run of adjacent parameters with the same weight decay (within a region):
+  // launching a kernel per run left the GPU waiting for the host between the small ones. It applies the
+  // clip factor and writes the bf16 compute copy in the same pass.
   Tensor& compute = params_.flat_compute();
   auto* wc = compute.defined() ? static_cast<__nv_bfloat16*>(compute.data_ptr()) : nullptr;
   float* w = params_.flat_values().f32();
-  int64_t run_b = -1, run_e = -1;
-  bool run_decay = false;
+  std::vector<cuda::AdamwRun> runs;
   Region* run_r = nullptr;
-  auto flush = [&] {
-    if (run_b < 0) return;
-    const int64_t s = run_r->state_offset + (run_b - run_r->own_begin);
-    cuda::adamw_update(w + run_b, run_r->grad(params_) + (run_b - run_r->own_begin), m_.f32() + s,
-                       v_.f32() + s, run_e - run_b, static_cast<float>(lr), static_cast<float>(cfg_.beta1),
-                       static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.adam_eps),
-                       run_decay ? static_cast<float>(cfg_.weight_decay) : 0.f, step_,
-                       wc ? wc + run_b : nullptr, grad_scale_, cuda::stream());
-    run_b = -1;
-  };
+  int64_t run_b = -1;
   for_owned([&](Param& p, Region& r, int64_t b, int64_t e) {
-    if (run_b >= 0 && run_r == &r && run_e == b && run_decay == p.weight_decay) {
-      run_e = e;
+    if (!runs.empty() && run_r == &r && run_b + runs.back().n == b && runs.back().decay == p.weight_decay) {
+      runs.back().n += e - b;
       return;
     }
-    flush();
-    run_b = b;
-    run_e = e;
-    run_decay = p.weight_decay;
+    const int64_t s = r.state_offset + (b - r.own_begin);
+    runs.push_back({w + b, r.grad(params_) + (b - r.own_begin), m_.f32() + s, v_.f32() + s,
+                    wc ? wc + b : nullptr, e - b, 0, p.weight_decay ? 1 : 0, 0});
     run_r = &r;
+    run_b = b;
   });
-  flush();
+  const int n = static_cast<int>(runs.size());
+  const int64_t chunks = cuda::adamw_plan_runs(runs.data(), n);
+  const auto* bytes = reinterpret_cast<const uint8_t*>(runs.data());
+  const size_t nbytes = runs.size() * sizeof(cuda::AdamwRun);
+  if (runs_bytes_.size() != nbytes || !std::equal(bytes, bytes + nbytes, runs_bytes_.begin())) {
+    runs_bytes_.assign(bytes, bytes + nbytes);
+    runs_dev_ = Tensor::empty({static_cast<int64_t>((nbytes + 7) / 8)}, DType::I64, Device::CUDA);
+    cuda::copy_h2d(runs_dev_.data_ptr(), runs_bytes_.data(), nbytes);
+    runs_chunks_ = chunks;
+  }
+  cuda::adamw_update_runs(static_cast<const cuda::AdamwRun*>(runs_dev_.data_ptr()), n, runs_chunks_,
+                          static_cast<float>(lr), static_cast<float>(cfg_.beta1),
+                          static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.adam_eps),
+                          static_cast<float>(cfg_.weight_decay), step_, grad_scale_, cuda::stream());
   grad_scale_ = 1.0f;
   bool gathered = false;
   for (Region& r : regions_) {

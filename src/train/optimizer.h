@@ -118,6 +118,11 @@ class Optimizer {
   std::vector<std::function<void()>> early_waits_;         // their completion (compute stream waits)
 #ifdef NDT_HAVE_CUDA
   void step_device(double lr);
+  // The AdamW runs of the last device step (cuda::AdamwRun as bytes) and their device copy, uploaded again
+  // only when they change (the flat buffers stay put, so in practice once).
+  std::vector<uint8_t> runs_bytes_;
+  Tensor runs_dev_;
+  int64_t runs_chunks_ = 0;
 #endif
 };
 

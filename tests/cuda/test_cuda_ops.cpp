@@ -677,6 +677,50 @@ TYPED_TEST(CudaOps, CrossEntropy) {
   EXPECT_NEAR(total, rtotal, 1e-5 * std::abs(rtotal));
 }
 
+// The optimizer's one launch over many runs against one adamw_update per run, bit for bit: runs with and
+// without weight decay, an unaligned start (element path), a run of 3, runs longer than one chunk, the
+// bf16 copy on some runs only, and the clip factor.
+TEST(CudaOpsOptim, AdamwRunsEqualOneLaunchPerRun) {
+  NDT_REQUIRE_GPU();
+  const int64_t n = 3 * ndt::cuda::kAdamwChunk + 5001;
+  const Vec p = randv(n, 64), g = randv(n, 65, 0.001f, 0.1f), m = randv(n, 66, 0.001f, 0.01f);
+  Vec v = randv(n, 67, 0.0001f, 0.001f);
+  for (auto& x : v) x = std::abs(x);
+  struct Span {
+    int64_t b, e;
+    bool decay, copy;
+  };
+  const Span spans[] = {{0, 1000, true, true},
+                        {1000, 1003, false, true},
+                        {1003, 2 * ndt::cuda::kAdamwChunk + 7, true, false},
+                        {2 * ndt::cuda::kAdamwChunk + 7, n, false, true}};
+  Dev<float> p1(p), g1(g), m1(m), v1(v), p2(p), g2(g), m2(m), v2(v);
+  Dev<bf16> c1(n), c2(n);
+  NDT_CUDA_CHECK(cudaMemset(c1.p, 0, n * sizeof(bf16)));
+  NDT_CUDA_CHECK(cudaMemset(c2.p, 0, n * sizeof(bf16)));
+  std::vector<ndt::cuda::AdamwRun> runs;
+  for (const Span& sp : spans) {
+    ndt::cuda::adamw_update(p1.p + sp.b, g1.p + sp.b, m1.p + sp.b, v1.p + sp.b, sp.e - sp.b, 1e-3f, 0.9f,
+                            0.95f, 1e-8f, sp.decay ? 0.1f : 0.0f, 3, sp.copy ? c1.p + sp.b : nullptr, 0.5f);
+    runs.push_back({p2.p + sp.b, g2.p + sp.b, m2.p + sp.b, v2.p + sp.b, sp.copy ? c2.p + sp.b : nullptr,
+                    sp.e - sp.b, 0, sp.decay ? 1 : 0, 0});
+  }
+  const int64_t chunks = ndt::cuda::adamw_plan_runs(runs.data(), static_cast<int>(runs.size()));
+  EXPECT_EQ(runs[2].vec, 0);  // starts at element 1003: not 16-byte aligned
+  EXPECT_EQ(runs[0].vec, 1);
+  ndt::cuda::AdamwRun* dev_runs = nullptr;
+  NDT_CUDA_CHECK(cudaMalloc(&dev_runs, runs.size() * sizeof(ndt::cuda::AdamwRun)));
+  NDT_CUDA_CHECK(
+      cudaMemcpy(dev_runs, runs.data(), runs.size() * sizeof(ndt::cuda::AdamwRun), cudaMemcpyHostToDevice));
+  ndt::cuda::adamw_update_runs(dev_runs, static_cast<int>(runs.size()), chunks, 1e-3f, 0.9f, 0.95f, 1e-8f,
+                               0.1f, 3, 0.5f);
+  EXPECT_EQ(p2.get(), p1.get());
+  EXPECT_EQ(m2.get(), m1.get());
+  EXPECT_EQ(v2.get(), v1.get());
+  EXPECT_EQ(c2.get(), c1.get());
+  NDT_CUDA_CHECK(cudaFree(dev_runs));
+}
+
 TEST(CudaOpsOptim, AdamwSumSquaresCast) {
   NDT_REQUIRE_GPU();
   const int64_t n = 1000003;  // odd: vector body + tail

@@ -59,6 +59,16 @@ TEST(KernelTraceSummary, IntervalsOverlapAndShares) {
   EXPECT_EQ(trace_summary({}, 1), "no GPU activity recorded\n");
   // The table's row limit.
   EXPECT_NE(trace_summary(r, 1, 1).find("... 2 more kernels"), std::string::npos);
+  // Idle gaps over 20 us, by the activity around them: the copy ending at 21 us, then "late" at 46 us and
+  // again at 96 us (25 + 49 us, twice), and a 10 us gap that is not listed.
+  std::vector<TraceRecord> idle = r;
+  idle.push_back({"late", 'k', 46000, 47000, 0, 7, 0});
+  idle.push_back({"late", 'k', 96000, 97000, 0, 7, 0});
+  idle.push_back({"soon", 'k', 107000, 108000, 0, 7, 0});
+  const std::string g = trace_summary(idle, 1);
+  EXPECT_NE(g.find("    0.025      1  [copy] -> late"), std::string::npos) << g;
+  EXPECT_NE(g.find("    0.049      1  late -> late"), std::string::npos) << g;
+  EXPECT_EQ(g.find("late -> soon"), std::string::npos) << g;
 }
 
 TEST(KernelTraceSummary, ChromeJsonHasOneEventPerRecordAndNamedTracks) {
