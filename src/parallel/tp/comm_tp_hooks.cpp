@@ -1,6 +1,9 @@
 #include "parallel/tp/comm_tp_hooks.h"
 
 #include "ops/ops.h"
+#ifdef NDT_HAVE_CUDA
+#include "cuda/runtime.h"
+#endif
 
 namespace ndt {
 
@@ -32,6 +35,16 @@ Tensor CommTpHooks::all_reduce(const Tensor& t) {
   Tensor out = t;  // fresh buffer owned by the caller: reduce in place
   tp_.all_reduce_async(out.data_ptr(), out.numel(), out.dtype(), ReduceOp::Sum)->wait();
   return out;
+}
+
+void CommTpHooks::reduce_in_place(float* buf, int64_t n, ReduceOp op) {
+#ifdef NDT_HAVE_CUDA
+  if (n > 0 && cuda::is_device_pointer(buf)) {
+    tp_.all_reduce_async(buf, n, DType::F32, op)->wait();
+    return;
+  }
+#endif
+  tp_.all_reduce(buf, n, DType::F32, op);
 }
 
 Tensor CommTpHooks::enter_forward(const Tensor& x) { return sp_ ? gather_tokens(x) : x; }

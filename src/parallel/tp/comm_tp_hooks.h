@@ -31,13 +31,15 @@ class CommTpHooks : public TpHooks {
   Tensor gather_overlapped(const Tensor& x, const ConsumeRows& consume) override;
   Tensor reduce_overlapped(Tensor& partial, const ProduceRows& produce,
                            const std::function<void()>& meanwhile) override;
-  void all_reduce_sum(float* buf, int64_t n) override { tp_.all_reduce(buf, n, DType::F32, ReduceOp::Sum); }
-  void all_reduce_max(float* buf, int64_t n) override { tp_.all_reduce(buf, n, DType::F32, ReduceOp::Max); }
+  void all_reduce_sum(float* buf, int64_t n) override { reduce_in_place(buf, n, ReduceOp::Sum); }
+  void all_reduce_max(float* buf, int64_t n) override { reduce_in_place(buf, n, ReduceOp::Max); }
 
  private:
   Tensor gather_tokens(const Tensor& local);         // (Tl, C) -> (T, C)
   Tensor scatter_reduce_tokens(const Tensor& full);  // (T, C) partial sums -> (Tl, C) reduced
   Tensor all_reduce(const Tensor& t);
+  // Device buffers (the vocab-parallel softmax statistics): non-blocking, the compute stream waits.
+  void reduce_in_place(float* buf, int64_t n, ReduceOp op);
 
   Communicator& tp_;
   bool sp_;
