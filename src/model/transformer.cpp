@@ -251,8 +251,8 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
                         !ps_->find(pre + "attn.wq.bias");
   const Tensor wqkv =
       fuse_qkv ? fused_weight(pre, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"}) : Tensor();
-  Tensor kc, vc,
-      cache_rows;  // with a cache that takes them: k and v go straight into it (a.k, a.v stay empty)
+  // With a cache that takes them, k and v go straight into it (a.k, a.v stay empty).
+  Tensor kc, vc, cache_rows;
   const bool store = wqkv.defined() && kv_ && kv_->store_target(l, kc, vc, cache_rows);
   a.k = store ? Tensor() : act({T, kv_local_, D});
   a.v = store ? Tensor() : act({T, kv_local_, D});
