@@ -97,13 +97,17 @@ __global__ void qkv_merge_rope_backward_kernel(E* dqkv, const E* dq, const E* dk
     o[(H + KV) * D + idx] = dv[t * KV * D + idx];
 }
 
+// Threads of a one-block-per-token launch over `pairs` rotated pairs: whole warps, 32 to 256.
+int token_block(int64_t pairs) {
+  return static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, (pairs + 31) / 32 * 32)));
+}
+
 template <typename E, bool ACCUMULATE>
 void rope(E* out, const E* inp, const int32_t* pos, int64_t T, int64_t H, int64_t D, float theta, float sign,
           cudaStream_t stream) {
   if (T <= 0 || H <= 0 || D <= 0) return;
   NDT_CUDA_REQUIRE(D % 2 == 0, "rope: the head dim must be even");
-  const int block =
-      static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, (H * D / 2 + 31) / 32 * 32)));
+  const int block = token_block(H * D / 2);
   const size_t smem = sizeof(float) * static_cast<size_t>(D);
   rope_kernel<E, ACCUMULATE><<<static_cast<unsigned>(T), block, smem, stream>>>(
       out, inp, pos, H, D, log(static_cast<double>(theta)), sign);
@@ -129,8 +133,7 @@ void qkv_split_rope(E* q, E* k, E* v, const E* qkv, const int32_t* pos, int64_t 
                     int64_t D, float theta, cudaStream_t stream, const int32_t* kv_rows) {
   if (T <= 0) return;
   NDT_CUDA_REQUIRE(D % 2 == 0, "qkv_split_rope: the head dim must be even");
-  const int block =
-      static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, ((H + KV) * D / 2 + 31) / 32 * 32)));
+  const int block = token_block((H + KV) * D / 2);
   const size_t smem = sizeof(float) * static_cast<size_t>(D);
   qkv_split_rope_kernel<E><<<static_cast<unsigned>(T), block, smem, stream>>>(
       q, k, v, qkv, pos, kv_rows, H, KV, D, log(static_cast<double>(theta)));
@@ -142,8 +145,7 @@ void qkv_merge_rope_backward(E* dqkv, const E* dq, const E* dk, const E* dv, con
                              int64_t H, int64_t KV, int64_t D, float theta, cudaStream_t stream) {
   if (T <= 0) return;
   NDT_CUDA_REQUIRE(D % 2 == 0, "qkv_merge_rope_backward: the head dim must be even");
-  const int block =
-      static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, ((H + KV) * D / 2 + 31) / 32 * 32)));
+  const int block = token_block((H + KV) * D / 2);
   const size_t smem = sizeof(float) * static_cast<size_t>(D);
   qkv_merge_rope_backward_kernel<E><<<static_cast<unsigned>(T), block, smem, stream>>>(
       dqkv, dq, dk, dv, pos, H, KV, D, log(static_cast<double>(theta)));

@@ -313,9 +313,9 @@ void Optimizer::step_device(double lr) {
   float* w = params_.flat_values().f32();
   std::vector<cuda::AdamwRun> runs;
   Region* run_r = nullptr;
-  int64_t run_b = -1;
   for_owned([&](Param& p, Region& r, int64_t b, int64_t e) {
-    if (!runs.empty() && run_r == &r && run_b + runs.back().n == b && runs.back().decay == p.weight_decay) {
+    if (!runs.empty() && run_r == &r && runs.back().param + runs.back().n == w + b &&
+        runs.back().decay == p.weight_decay) {
       runs.back().n += e - b;
       return;
     }
@@ -323,7 +323,6 @@ void Optimizer::step_device(double lr) {
     runs.push_back({w + b, r.grad(params_) + (b - r.own_begin), m_.f32() + s, v_.f32() + s,
                     wc ? wc + b : nullptr, e - b, 0, p.weight_decay ? 1 : 0, 0});
     run_r = &r;
-    run_b = b;
   });
   const int n = static_cast<int>(runs.size());
   const int64_t chunks = cuda::adamw_plan_runs(runs.data(), n);
@@ -333,9 +332,8 @@ void Optimizer::step_device(double lr) {
     runs_bytes_.assign(bytes, bytes + nbytes);
     runs_dev_ = Tensor::empty({static_cast<int64_t>((nbytes + 7) / 8)}, DType::I64, Device::CUDA);
     cuda::copy_h2d(runs_dev_.data_ptr(), runs_bytes_.data(), nbytes);
-    runs_chunks_ = chunks;
   }
-  cuda::adamw_update_runs(static_cast<const cuda::AdamwRun*>(runs_dev_.data_ptr()), n, runs_chunks_,
+  cuda::adamw_update_runs(static_cast<const cuda::AdamwRun*>(runs_dev_.data_ptr()), n, chunks,
                           static_cast<float>(lr), static_cast<float>(cfg_.beta1),
                           static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.adam_eps),
                           static_cast<float>(cfg_.weight_decay), step_, grad_scale_, cuda::stream());

@@ -122,7 +122,6 @@ class Optimizer {
   // only when they change (the flat buffers stay put, so in practice once).
   std::vector<uint8_t> runs_bytes_;
   Tensor runs_dev_;
-  int64_t runs_chunks_ = 0;
 #endif
 };
 
