@@ -256,8 +256,11 @@ void expect_kept_activations(ModelConfig m, int tp, bool sp, bool recompute) {
     model.params().init(3);
     model.set_recompute(recompute);
     Activations acts;
+    acts.loss_in_backward = true;  // as the engine asks in training; the forward keeps it on one TP rank
     const Tensor input = c.has_embedding ? Tensor() : Tensor::zeros({Tl, m.d_model});
     const Tensor out = model.forward(mb, input, acts);
+    EXPECT_EQ(acts.loss_in_backward, c.has_head && tp == 1);
+    EXPECT_EQ(d.loss_in_backward, tp == 1);
     const plan::ChunkProfile p = plan::chunk_profile(cfg, d, c);
     EXPECT_EQ(p.retained, kept_bytes(acts, out, input));
     EXPECT_GT(p.retained, Tl * m.d_model * 4 * (c.last_layer - c.first_layer));

@@ -561,6 +561,8 @@ Tensor Transformer::forward(const Microbatch& mb, const Tensor& x_in, Activation
       x = layer_forward(l, mb, x, a);
     }
   }
+  // The vocab-parallel statistics (TP) need the forward; only the head's stage takes a loss.
+  if (!stage_.has_head || tp_->size() > 1) acts.loss_in_backward = false;
   if (!stage_.has_head) return x;
 
   acts.x_final = x;
@@ -571,6 +573,10 @@ Tensor Transformer::forward(const Microbatch& mb, const Tensor& x_in, Activation
       cfg_.tied() ? p("embed.tokens.weight").compute_value() : p("lm_head.weight").compute_value();
   acts.logits = act({T, vocab_local_});
   ops::linear_forward(acts.logits, acts.head_in, w, nullptr);
+  if (acts.loss_in_backward) {
+    phase_mark(x.device(), "other");
+    return x;
+  }
   // Vocab-parallel softmax: the full logits never exist on one rank; three reductions over TP.
   acts.rowmax = stat({T});
   acts.sumexp = stat({T});
@@ -596,6 +602,10 @@ double Transformer::loss_sum(const Microbatch& mb, const Activations& acts) cons
   return ops::masked_loss_sum(acts.logprob, mb.loss_mask);
 }
 
+void Transformer::add_loss_sum(Tensor& acc, const Microbatch& mb, const Activations& acts) const {
+  ops::masked_loss_sum_into(acc, acts.logprob, mb.loss_mask);
+}
+
 Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_scale, Activations& acts,
                              const Tensor* seed) {
   const int64_t T = mb.num_tokens(), C = cfg_.d_model;
@@ -611,7 +621,13 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
       ops::fill_dloss(dloss, mb.loss_mask, loss_scale);
     }
     // The logits die here: their buffer becomes dlogits (saves a (T, V) tensor, the largest of the step).
-    ops::xent_backward_inplace(acts.logits, acts.rowmax, acts.sumexp, mb.targets, dloss, vocab_start_);
+    if (acts.loss_in_backward) {
+      NDT_CHECK(!seed, "a loss seed needs the log-probabilities before backward (loss_in_backward unset)");
+      acts.logprob = stat({T});
+      ops::xent_loss_backward_inplace(acts.logits, acts.logprob, mb.targets, dloss);
+    } else {
+      ops::xent_backward_inplace(acts.logits, acts.rowmax, acts.sumexp, mb.targets, dloss, vocab_start_);
+    }
     Tensor dlogits = acts.logits;
     acts.logits = Tensor();
     Param& w = cfg_.tied() ? p("embed.tokens.weight") : p("lm_head.weight");

@@ -58,6 +58,10 @@ struct Activations {
   Tensor logits;                // (T, Vl) this rank's vocab columns
   Tensor rowmax, sumexp;        // (T) reduced over TP
   Tensor logprob;               // (T) log p(target) per token (all TP ranks hold it)
+  // Set before forward by a caller that runs backward next with the loss mask as its seed (training):
+  // on one TP rank the forward then stops at the logits, and backward takes the loss and its gradient in
+  // one pass over them (logprob and loss_sum valid after backward). Forward clears it when it cannot (TP).
+  bool loss_in_backward = false;
 };
 
 class Transformer {
@@ -97,6 +101,8 @@ class Transformer {
   Tensor forward(const Microbatch& mb, const Tensor& x_in, Activations& acts);
   // Sum over loss-bearing tokens of -log p(target) (last stage, after forward). Double accumulation.
   double loss_sum(const Microbatch& mb, const Activations& acts) const;
+  // acc (F64, one element, on the model's device) += loss_sum(mb, acts), without waiting for the device.
+  void add_loss_sum(Tensor& acc, const Microbatch& mb, const Activations& acts) const;
   // Backward of this stage. On the last stage the loss gradient is seeded as loss_scale for every
   // loss-bearing token (loss_scale = 1 / tokens in the global batch) and dy is ignored; otherwise dy
   // (Tl, C) is the gradient of the stage output. Returns the gradient of x_in (first stage: undefined).

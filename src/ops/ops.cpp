@@ -789,13 +789,33 @@ void xent_backward_inplace(Tensor& logits, const Tensor& rowmax, const Tensor& s
   logits.copy_from(d);
 }
 
+void xent_loss_backward_inplace(Tensor& logits, Tensor& logprob, const Tensor& targets, const Tensor& dloss) {
+  NDT_ON_CUDA(logits, Tensor k1, k2; cuda::xent_loss_backward_inplace<E>(
+                  dp<E>(logits, "logits"), dp<float>(logprob, "logprob"), dev_meta<int32_t>(targets, k1),
+                  dev_meta<float>(dloss, k2), logits.size(0), logits.size(1), st()));
+  const int64_t T = logits.size(0);
+  Tensor rowmax = Tensor::empty({T}), sumexp = Tensor::empty({T}), target_logit = Tensor::empty({T});
+  xent_rowmax_sumexp(rowmax, sumexp, logits);
+  xent_target_logit(target_logit, logits, targets, 0);
+  xent_logprob(logprob, target_logit, rowmax, sumexp);
+  xent_backward_inplace(logits, rowmax, sumexp, targets, dloss, 0);
+}
+
 double masked_loss_sum(const Tensor& logprob, const Tensor& mask) {
+  Tensor acc = Tensor::zeros({1}, DType::F64, logprob.device());
+  masked_loss_sum_into(acc, logprob, mask);
+  return acc.to_vector<double>()[0];
+}
+
+void masked_loss_sum_into(Tensor& acc, const Tensor& logprob, const Tensor& mask) {
+  NDT_CHECK(acc.dtype() == DType::F64 && acc.numel() == 1 && acc.device() == logprob.device(),
+            "masked_loss_sum_into: the accumulator must be one F64 on the logprobs' device");
 #ifdef NDT_HAVE_CUDA
   if (on_cuda(logprob)) {
-    Tensor k, acc = Tensor::zeros({1}, DType::F64, Device::CUDA);
+    Tensor k;
     cuda::masked_loss_sum(acc.data<double>(), dp<float>(logprob, "logprob"), dev_meta<float>(mask, k),
                           logprob.numel(), st());
-    return acc.to_vector<double>()[0];
+    return;
   }
 #endif
   const float* lp = logprob.f32();
@@ -803,7 +823,7 @@ double masked_loss_sum(const Tensor& logprob, const Tensor& mask) {
   double s = 0;
   for (int64_t t = 0; t < logprob.numel(); ++t)
     if (m[t] != 0.0f) s -= static_cast<double>(lp[t]) * m[t];
-  return s;
+  acc.data<double>()[0] += s;
 }
 
 void fill_dloss(Tensor& dloss, const Tensor& mask, float scale) {

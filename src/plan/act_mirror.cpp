@@ -16,6 +16,7 @@ ActDims act_dims(const Config& cfg, int64_t T) {
   ActDims d;
   d.T = T;
   d.sp = p.sequence_parallel && p.tp > 1;  // one TP rank has no TP hooks, hence no SP
+  d.loss_in_backward = p.tp == 1;
   d.Tl = d.sp ? T / p.tp : T;
   d.C = m.d_model;
   d.D = m.head_dim();
@@ -200,6 +201,7 @@ class Mirror {
     norm(cs.head);                              // fn (x_final is the output itself)
     if (d.sp) cs.head.push_back(t_.alloc(TC));  // head_in
     cs.logits = t_.alloc(d.T * d.Vl * d.b);
+    if (d.loss_in_backward) return;  // the statistics and logprob come with the backward
     for (int i = 0; i < 2; ++i) cs.head.push_back(t_.alloc(d.T * 4));  // rowmax, sumexp
     const Id target_logit = t_.alloc(d.T * 4);
     cs.head.push_back(t_.alloc(d.T * 4));  // logprob
@@ -217,6 +219,7 @@ class Mirror {
     if (c.has_head) {
       t_.at("head backward");
       const Id dloss = t_.alloc(d.T * 4);
+      if (d.loss_in_backward) cs.head.push_back(t_.alloc(d.T * 4));  // logprob, kept for the loss sum
       const Id dhead_in = t_.alloc(TC);  // the logits become their own gradient in place
       const Id dfn = d.sp ? t_.alloc(TlC) : kNone;
       dx = t_.alloc(TlC);

@@ -25,6 +25,9 @@ struct ActDims {
   int64_t cp = 1, ep = 1, b = 2;        // b: bytes of an activation element (bf16 2, fp32 4)
   bool gpt2 = false, qk_norm = false, sp = false, ring = true, moe = false;
   int64_t granule = 256;  // allocation rounding (Tensor::empty on CUDA); 1 counts exact tensor bytes
+  // Training on one TP rank: the loss is taken in the backward (Activations::loss_in_backward), so the
+  // forward keeps no softmax statistics.
+  bool loss_in_backward = false;
 };
 // cfg holds the layout; T = tokens of one microbatch on one CP rank.
 ActDims act_dims(const Config& cfg, int64_t T);

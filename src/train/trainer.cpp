@@ -248,7 +248,6 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   const double t0_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
   double loss_sum = engine_->train(mbs, scale, tracing ? &trace_ : nullptr, t0_us, token_loss);
-  if (auto v = fault_value(faults_, /*grad=*/false, step, c_.world->rank())) loss_sum = *v;
   engine_->end_moe_step();
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (step > 0) {  // step 0 includes one-time allocation
@@ -264,16 +263,19 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   }
   phase_mark(engine_->params().device(), "grad reduce, norm");
   const std::optional<bool> local_grads_finite = opt_->local_grads_finite();
-  const double local_loss = loss_sum;
-  c_.pp->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);    // only the last stage holds a loss
-  c_.grad->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);  // each CP rank holds its shard's part
   StepStats st;
   st.step = step;
-  st.loss = token_loss ? loss_sum : loss_sum / static_cast<double>(n_tokens);  // token losses normalise
   st.tokens = n_tokens;
   st.grad_norm = opt_->reduce_grads();
   // Both modules' gradients are reduced only now, after phase 3, and clipped by their joint norm.
   if (companion_) st.grad_norm = std::hypot(st.grad_norm, companion_->reduce_grads());
+  // The loss is read only now: the norm's read-back above has waited for the device already.
+  loss_sum += engine_->take_loss();
+  if (auto v = fault_value(faults_, /*grad=*/false, step, c_.world->rank())) loss_sum = *v;
+  const double local_loss = loss_sum;
+  c_.pp->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);    // only the last stage holds a loss
+  c_.grad->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);  // each CP rank holds its shard's part
+  st.loss = token_loss ? loss_sum : loss_sum / static_cast<double>(n_tokens);  // token losses normalise
   if (grads_hook_) grads_hook_(step);
   st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);
   // Non-finite loss or gradients: the same decision on every rank of the world (docs/reliability.md).

@@ -597,6 +597,35 @@ TYPED_TEST(CudaOps, LinearVaryingRows) {
     check_linear<E>(("rows " + std::to_string(t) + "x176->96").c_str(), t, 176, 96, false);
 }
 
+// The loss and gradient in one kernel (one TP rank): the same log-probabilities and gradient as the CPU's
+// statistics + backward, with the row staged in shared memory (V = 259, and 50257 as GPT-2's) and, past
+// the opt-in shared memory of a block, read twice (V = 120001). Rows start at every 16-byte phase (odd V).
+TYPED_TEST(CudaOps, CrossEntropyLossBackwardFused) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  for (auto [rows, v] : {std::pair<int64_t, int64_t>{T, V}, {9, 50257}, {5, 120001}}) {
+    SCOPED_TRACE("V = " + std::to_string(v));
+    const Vec logits = rounded<E>(randv(rows * v, 60, 0.1f, 4.f));
+    auto targets = randi(rows, 61, 0, static_cast<int32_t>(v + 40));  // a few out of range: target logit 0
+    Vec dloss = randv(rows, 62);
+    dloss[1] = 0.f;  // a masked row: logprob still computed, gradient 0
+    Vec rm(rows), rs(rows), rtl(rows), rlp(rows), rd(rows * v, 0.f);
+    ndt::cpu::xent_rowmax(rm.data(), logits.data(), rows, v);
+    ndt::cpu::xent_sumexp(rs.data(), logits.data(), rm.data(), rows, v);
+    ndt::cpu::xent_target_logit(rtl.data(), logits.data(), targets.data(), rows, v, 0);
+    ndt::cpu::xent_logprob(rlp.data(), rtl.data(), rm.data(), rs.data(), rows);
+    ndt::cpu::xent_backward(rd.data(), logits.data(), rm.data(), rs.data(), targets.data(), dloss.data(),
+                            rows, v, 0);
+    DevI dt(targets);
+    Dev<E> dl(logits);
+    Dev<float> lp(rows), ddl(dloss);
+    lp.poison();
+    ndt::cuda::xent_loss_backward_inplace<E>(dl.p, lp.p, dt.p, ddl.p, rows, v);
+    expect_close<E>("xent_loss_backward_inplace logprob", lp.get(), rlp, 1e-5);
+    expect_close<E>("xent_loss_backward_inplace dlogits", dl.get(), rd);
+  }
+}
+
 TYPED_TEST(CudaOps, CrossEntropy) {
   NDT_REQUIRE_GPU();
   using E = TypeParam;
@@ -810,6 +839,10 @@ TEST(CudaKernelBench, DISABLED_Timings) {
                 (long long)v, ms, 2.0 * tt * v / ms * 1e-6);
     ms = time_ms([&] { ndt::cuda::xent_backward_inplace<bf16>(logits.p, m.p, s.p, tg.p, dl.p, tt, v, 0); });
     std::printf("[time] xent_backward_inplace bf16: %.3f ms, %.0f GB/s\n", ms, 4.0 * tt * v / ms * 1e-6);
+    Dev<float> lp(tt);
+    ms = time_ms([&] { ndt::cuda::xent_loss_backward_inplace<bf16>(logits.p, lp.p, tg.p, dl.p, tt, v); });
+    std::printf("[time] xent_loss_backward_inplace bf16 (one pass): %.3f ms, %.0f GB/s\n", ms,
+                4.0 * tt * v / ms * 1e-6);
   }
   {  // embedding backward, GPT-2 sizes
     const int64_t v = 50257;

@@ -171,6 +171,7 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
   std::map<Key, Activations> acts;
   std::map<Key, Tensor> x_in, y_out, dy_in, dx_out, seeds;
   double loss = 0;
+  loss_acc_ = Tensor::zeros({1}, DType::F64, store_.device());
   compute_s_ = span_s_ = 0;
   const bool gpu_timed = store_.device() == Device::CUDA && p_ > 1;
 #ifdef NDT_HAVE_CUDA
@@ -216,15 +217,16 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
       const Microbatch& mb = mbs[static_cast<size_t>(a.microbatch)];
       if (a.kind == pp::PpAction::Forward) {
         Tensor in = stage_of(a.chunk) == 0 ? Tensor() : x_in.at(k);
+        acts[k].loss_in_backward = is_last(a.chunk) && !token_loss;
         y_out[k] = model.forward(mb, in, acts[k]);
-        if (is_last(a.chunk)) {
+        if (is_last(a.chunk) && !acts[k].loss_in_backward) {
           if (token_loss) {
             const Tensor lp = ops::to_host_f32(acts[k].logprob);
             std::vector<float> logprob(lp.f32(), lp.f32() + lp.numel()), dloss(logprob.size(), 0.0f);
             loss += token_loss->seed(mb, logprob, dloss);
             seeds[k] = Tensor::from_vector(dloss, {static_cast<int64_t>(dloss.size())});
           } else {
-            loss += model.loss_sum(mb, acts[k]);
+            model.add_loss_sum(loss_acc_, mb, acts[k]);
           }
         }
         x_in.erase(k);
@@ -240,6 +242,7 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
         dx_out[k] =
             model.backward(mb, dy, loss_scale, acts.at(k), seed == seeds.end() ? nullptr : &seed->second);
         if (seed != seeds.end()) seeds.erase(seed);
+        if (acts.at(k).loss_in_backward) model.add_loss_sum(loss_acc_, mb, acts.at(k));
         if (last) model.set_layer_done_hook(nullptr);
         acts.erase(k);  // activations die with their backward (1F1B's memory bound)
         y_out.erase(k);
@@ -279,6 +282,13 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
 #endif
   (void)gpu_timed;
   return loss;
+}
+
+double PipelineEngine::take_loss() {
+  if (!loss_acc_.defined()) return 0.0;
+  const double sum = loss_acc_.to_vector<double>()[0];
+  loss_acc_ = Tensor();
+  return sum;
 }
 
 void PipelineEngine::sync_tied_grads() {

@@ -50,13 +50,17 @@ class PipelineEngine {
   }
 
   // Forward and backward of all microbatches by the schedule; gradients accumulate into params().
-  // Returns this rank's part of the loss sum (last stage only; 0 elsewhere). Appends per-action
-  // timings to `trace` when given (start relative to `t0_us`).
+  // Returns this rank's part of the loss sum that token_loss gave (last stage only; 0 elsewhere); the
+  // cross-entropy part is summed where the model runs, without waiting for it: take_loss() reads it.
+  // Appends per-action timings to `trace` when given (start relative to `t0_us`).
   // token_loss (optional) replaces the cross-entropy: it seeds each microbatch's backward and gives the
   // loss contribution (train/token_loss.h); loss_scale is then unused.
   double train(const std::vector<Microbatch>& mbs, float loss_scale,
                std::vector<pp::TraceEvent>* trace = nullptr, double t0_us = 0,
                TokenLoss* token_loss = nullptr);
+  // After train(): this rank's cross-entropy loss sum of that step (0 on stages without the head, or with a
+  // token_loss); waits for the device. Read late (after the gradient norm), it costs no extra wait.
+  double take_loss();
   // After train(): sums the tied embedding's gradient between the first and last stage.
   void sync_tied_grads();
 
@@ -118,6 +122,7 @@ class PipelineEngine {
       layer_ranges_;  // pp ranks 0 and p-1, when embeddings are tied and p > 1
   bool peers_connected_ = false;
   double compute_s_ = 0, span_s_ = 0;
+  Tensor loss_acc_;  // F64 (1) where the model runs: train()'s cross-entropy sum, read by take_loss()
   std::shared_ptr<cuda::IntervalClock> gpu_clock_;  // GPU event timing (CUDA builds, p > 1)
   MoeStepContext moe_ctx_;
 };
