@@ -176,7 +176,7 @@ void xent_backward_inplace(E* logits, const float* rowmax, const float* sumexp, 
                            const float* dloss, int64_t T, int64_t V, int64_t vocab_start,
                            cudaStream_t stream = 0);
 // The whole vocabulary on this rank (no TP shards): logprob[t] = log softmax(logits[t])[targets[t]] and the
-// logits OVERWRITTEN with dloss * (softmax - onehot), in one pass over them. The same values as
+// logits OVERWRITTEN with dloss * (softmax - onehot), in one kernel. The same values as
 // xent_rowmax_sumexp, xent_target_logit, xent_logprob, then xent_backward_inplace (targets in [0, V)).
 template <typename E>
 void xent_loss_backward_inplace(E* logits, float* logprob, const int32_t* targets, const float* dloss,

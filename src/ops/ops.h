@@ -160,8 +160,7 @@ void xent_backward_inplace(Tensor& logits, const Tensor& rowmax, const Tensor& s
                            const Tensor& dloss, int64_t vocab_start);
 // One rank holding the whole vocabulary: logprob = log softmax(logits)[target] and the logits overwritten
 // with their gradient, as xent_rowmax_sumexp, xent_target_logit, xent_logprob and xent_backward_inplace would
-// (the same values); one pass over the logits on the device. The loss taken in the backward of a training
-// step.
+// (the same values); one kernel on the device. The loss taken in the backward of a training step.
 void xent_loss_backward_inplace(Tensor& logits, Tensor& logprob, const Tensor& targets, const Tensor& dloss);
 // -sum over rows with mask != 0 of logprob * mask, accumulated in double (waits for the device).
 double masked_loss_sum(const Tensor& logprob, const Tensor& mask);

@@ -598,8 +598,7 @@ TYPED_TEST(CudaOps, LinearVaryingRows) {
 }
 
 // The loss and gradient in one kernel (one TP rank): the same log-probabilities and gradient as the CPU's
-// statistics + backward, with the row staged in shared memory (V = 259, and 50257 as GPT-2's) and, past
-// the opt-in shared memory of a block, read twice (V = 120001). Rows start at every 16-byte phase (odd V).
+// statistics + backward, at V = 259, 50257 (GPT-2's) and 120001. Rows start at every 16-byte phase (odd V).
 TYPED_TEST(CudaOps, CrossEntropyLossBackwardFused) {
   NDT_REQUIRE_GPU();
   using E = TypeParam;
