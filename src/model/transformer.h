@@ -60,7 +60,7 @@ struct Activations {
   Tensor logprob;               // (T) log p(target) per token (all TP ranks hold it)
   // Set before forward by a caller that runs backward next with the loss mask as its seed (training):
   // on one TP rank the forward then stops at the logits, and backward takes the loss and its gradient in
-  // one pass over them (logprob and loss_sum valid after backward). Forward clears it when it cannot (TP).
+  // one kernel (logprob and loss_sum valid after backward). Forward clears it when it cannot (TP).
   bool loss_in_backward = false;
 };
 
