@@ -74,25 +74,31 @@ __global__ void sumexp_kernel(float* sumexp, const E* logits, const float* rowma
   if (threadIdx.x == 0) sumexp[blockIdx.x] = s;
 }
 
-// Online softmax normalizer: each thread keeps (max, sum exp(x - max)), rescaled when the max grows.
+// Online softmax normalizer: each thread keeps (max m, sum s of exp(x - m)), rescaled when the max grows;
+// row_normalizer combines the threads' pairs into the row's (max, sum exp(x - max)).
+__device__ __forceinline__ void online_add(float x, float& m, float& s) {
+  if (x > m) {
+    s = s * expf(m - x) + 1.0f;  // expf(-inf) = 0 on the first element
+    m = x;
+  } else {
+    s += expf(x - m);
+  }
+}
+__device__ float2 row_normalizer(float m, float s, float* sm) {
+  const float M = block_max(m, sm);
+  s = (m == -INFINITY) ? 0.f : s * expf(m - M);
+  return make_float2(M, block_sum(s, sm));
+}
+
 template <typename E>
 __global__ void rowmax_sumexp_kernel(float* rowmax, float* sumexp, const E* logits, int64_t V) {
   __shared__ float sm[32];
   float m = -INFINITY, s = 0.f;
-  row_foreach(logits + blockIdx.x * V, V, [&](float x, int64_t) {
-    if (x > m) {
-      s = s * expf(m - x) + 1.0f;  // expf(-inf) = 0 on the first element
-      m = x;
-    } else {
-      s += expf(x - m);
-    }
-  });
-  const float M = block_max(m, sm);
-  s = (m == -INFINITY) ? 0.f : s * expf(m - M);
-  s = block_sum(s, sm);
+  row_foreach(logits + blockIdx.x * V, V, [&](float x, int64_t) { online_add(x, m, s); });
+  const float2 ms = row_normalizer(m, s, sm);
   if (threadIdx.x == 0) {
-    rowmax[blockIdx.x] = M;
-    sumexp[blockIdx.x] = s;
+    rowmax[blockIdx.x] = ms.x;
+    sumexp[blockIdx.x] = ms.y;
   }
 }
 
@@ -117,20 +123,13 @@ __global__ void logprob_kernel(float* lp, const float* tl, const float* rowmax, 
   if (t < T) lp[t] = tl[t] - rowmax[t] - logf(sumexp[t]);
 }
 
-// INPLACE: d aliases the logits and is overwritten (0 for rows with dloss 0); else d += gradient.
-// Same row offset and (checked by the host) same base alignment: the head/vector/tail split of the logits
-// row fits the gradient row, so both are read and written with 16-byte accesses.
+// Writes one row's gradient dl * (softmax - onehot(tj)) = scale * exp(x - m) - [j == tj] * dl, scale =
+// dl / sumexp. INPLACE: d is overwritten (0 when dl is 0; d may alias l); else d += gradient. Same row
+// offset and (checked by the host) same base alignment: the head/vector/tail split of the logits row fits
+// the gradient row, so both are read and written with 16-byte accesses.
 template <typename E, bool INPLACE>
-__global__ void xent_backward_kernel(E* dlogits, const E* logits, const float* rowmax, const float* sumexp,
-                                     const int32_t* targets, const float* dloss, int64_t V, int64_t start) {
+__device__ void write_row_grad(E* d, const E* l, float m, float scale, float dl, int64_t tj, int64_t V) {
   constexpr int kV = detail::kVec<E>;
-  const int64_t t = blockIdx.x;
-  const float dl = dloss[t];
-  if (!INPLACE && dl == 0.0f) return;
-  const E* l = logits + t * V;
-  E* d = dlogits + t * V;
-  const float m = rowmax[t], scale = dl == 0.0f ? 0.0f : dl / sumexp[t];
-  const int64_t tj = static_cast<int64_t>(targets[t]) - start;  // outside [0, V): another shard's target
   auto grad = [&](float x, int64_t j) {
     if (dl == 0.0f) return 0.0f;  // block-uniform
     float g = scale * expf(x - m);
@@ -157,11 +156,23 @@ __global__ void xent_backward_kernel(E* dlogits, const E* logits, const float* r
   for (int64_t j = head + nv * kV + threadIdx.x; j < V; j += blockDim.x) scalar(j);
 }
 
+// INPLACE: dlogits aliases the logits and is overwritten (0 for rows with dloss 0); else dlogits +=.
+template <typename E, bool INPLACE>
+__global__ void xent_backward_kernel(E* dlogits, const E* logits, const float* rowmax, const float* sumexp,
+                                     const int32_t* targets, const float* dloss, int64_t V, int64_t start) {
+  const int64_t t = blockIdx.x;
+  const float dl = dloss[t];
+  if (!INPLACE && dl == 0.0f) return;
+  const float scale = dl == 0.0f ? 0.0f : dl / sumexp[t];
+  const int64_t tj = static_cast<int64_t>(targets[t]) - start;  // outside [0, V): another shard's target
+  write_row_grad<E, INPLACE>(dlogits + t * V, logits + t * V, rowmax[t], scale, dl, tj, V);
+}
+
 // Loss and gradient of one rank's whole vocabulary in one kernel (no vocab shards to reduce between): pass 1
 // is rowmax_sumexp_kernel's online reduction (the same per-thread order, so the same values) and also
-// picks up the target logit; pass 2 is xent_backward_kernel<E, true>, reading the row again (mostly from
-// L2: the row was just read). Staging the row in shared memory instead (two blocks per SM) measured 0.1 ms
-// slower per GPT-2 step.
+// picks up the target logit; pass 2 is xent_backward_kernel<E, true>'s write_row_grad, reading the row
+// again (mostly from L2: the row was just read). Staging the row in shared memory instead (two blocks per
+// SM) measured 0.1 ms slower per GPT-2 step.
 template <typename E>
 __global__ void xent_loss_backward_kernel(E* logits, float* logprob, const int32_t* targets,
                                           const float* dloss, int64_t V) {
@@ -174,18 +185,13 @@ __global__ void xent_loss_backward_kernel(E* logits, float* logprob, const int32
   float m = -INFINITY, acc = 0.f, tl = 0.f;
   auto visit = [&](float x, int64_t j) {
     if (j == tj) tl = x;
-    if (x > m) {
-      acc = acc * expf(m - x) + 1.0f;
-      m = x;
-    } else {
-      acc += expf(x - m);
-    }
+    online_add(x, m, acc);
   };
+  // row_foreach's split and per-thread order, with four 16-byte loads in flight per thread.
   int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(l) & 15u)) & 15u) / sizeof(E));
   if (head > V) head = V;
-  const int64_t nv = (V - head) / kV, tail0 = head + nv * kV, step = blockDim.x;
+  const int64_t nv = (V - head) / kV, step = blockDim.x;
   for (int64_t j = threadIdx.x; j < head; j += step) visit(to_f(l[j]), j);
-  // Four 16-byte loads in flight per thread, visited in the same order as one at a time.
   constexpr int kU = 4;
   int64_t v = threadIdx.x;
   for (; v + (kU - 1) * step < nv; v += kU * step) {
@@ -203,31 +209,13 @@ __global__ void xent_loss_backward_kernel(E* logits, float* logprob, const int32
 #pragma unroll
     for (int k = 0; k < kV; ++k) visit(to_f(pk.v[k]), j0 + k);
   }
-  for (int64_t j = tail0 + threadIdx.x; j < V; j += step) visit(to_f(l[j]), j);
-  const float M = block_max(m, sm);
-  acc = (m == -INFINITY) ? 0.f : acc * expf(m - M);
-  const float S = block_sum(acc, sm);
+  for (int64_t j = head + nv * kV + threadIdx.x; j < V; j += step) visit(to_f(l[j]), j);
+  const float2 ms = row_normalizer(m, acc, sm);
   const float target = block_sum(tl, sm);  // one thread holds it, the others 0: exact
-  if (threadIdx.x == 0) logprob[t] = target - M - logf(S);
+  if (threadIdx.x == 0) logprob[t] = target - ms.x - logf(ms.y);
   // (block_sum ends with a barrier: every read of the row above is done before it is overwritten)
   const float dl = dloss[t];
-  const float scale = dl == 0.0f ? 0.0f : dl / S;
-  auto grad = [&](float x, int64_t j) {
-    if (dl == 0.0f) return 0.0f;  // block-uniform
-    float g = scale * expf(x - M);
-    if (j == tj) g -= dl;
-    return g;
-  };
-  for (int64_t j = threadIdx.x; j < head; j += step) l[j] = from_f<E>(grad(to_f(l[j]), j));
-  for (int64_t w = threadIdx.x; w < nv; w += step) {
-    const int64_t j0 = head + w * kV;
-    float x[kV];
-    load<kV>(x, l, j0);
-#pragma unroll
-    for (int k = 0; k < kV; ++k) x[k] = grad(x[k], j0 + k);
-    detail::store<kV>(l, j0, x);
-  }
-  for (int64_t j = tail0 + threadIdx.x; j < V; j += step) l[j] = from_f<E>(grad(to_f(l[j]), j));
+  write_row_grad<E, true>(l, l, ms.x, dl == 0.0f ? 0.0f : dl / ms.y, dl, tj, V);
 }
 
 template <typename E>
