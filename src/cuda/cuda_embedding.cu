@@ -1,6 +1,6 @@
 // Token and learned-position embeddings. Backward is deterministic without float atomics: token indices
-// are stably radix-sorted by id (cub), then one block per distinct id sums its dout rows in a fixed order
-// and adds the sum to the table row once.
+// are stably radix-sorted by id (cub), then each id's dout rows are summed in a fixed order, in pieces of at
+// most kChunk sorted positions, and the sum is added to the table row once.
 #include <cub/device/device_radix_sort.cuh>
 
 #include "cuda/cuda_kernel_utils.cuh"
@@ -62,27 +62,66 @@ __global__ void iota_kernel(int32_t* x, int64_t n) {
   if (i < n) x[i] = static_cast<int32_t>(i);
 }
 
-// Block b handles sorted position b if it starts a run of equal ids: sums dout rows of the run (token
-// order, 8 interleaved partial sums so that loads overlap, combined in a fixed order) into dtable.
+// The sorted positions are cut into chunks of kChunk; block b sums the dout rows of each run of equal ids
+// inside its chunk (token order, 8 interleaved partial sums combined in a fixed order). A run inside one
+// chunk goes straight into dtable; a run that crosses a chunk boundary leaves its pieces in `partial`: slot
+// 2b + 1 for the piece that starts the run (the chunk's last run), slot 2b for a piece that continues one
+// (the chunk's first run). Frequent ids (Zipf-like text, a byte vocabulary) spread over many blocks this way
+// instead of one block summing thousands of rows.
+constexpr int64_t kChunk = 32;
+
 template <typename E>
-__global__ void scatter_sorted_kernel(float* dtable, const E* dout, const int32_t* keys,
+__device__ float sum_rows(const E* dout, const int32_t* tokens, int64_t j, int64_t end, int64_t C,
+                          int64_t c) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (; j + 8 <= end; j += 8) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] += to_f(dout[static_cast<int64_t>(tokens[j + k]) * C + c]);
+  }
+  for (int k = 0; j < end; ++j, ++k) acc[k] += to_f(dout[static_cast<int64_t>(tokens[j]) * C + c]);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+template <typename E>
+__global__ void scatter_chunks_kernel(float* dtable, float* partial, const E* dout, const int32_t* keys,
                                       const int32_t* tokens, int64_t T, int64_t V, int64_t C, int64_t start) {
-  const int64_t b = blockIdx.x;
-  const int32_t key = keys[b];
-  if (b > 0 && keys[b - 1] == key) return;
+  const int64_t b = blockIdx.x, lo = b * kChunk, hi = min(T, lo + kChunk);
+  for (int64_t s = lo; s < hi;) {
+    const int32_t key = keys[s];
+    int64_t e = s + 1;
+    while (e < hi && keys[e] == key) ++e;
+    const bool continued = s == lo && lo > 0 && keys[lo - 1] == key;
+    const bool continues = e == hi && hi < T && keys[hi] == key;
+    const int64_t row = static_cast<int64_t>(key) - start;
+    if (row >= 0 && row < V) {
+      float* to = continued || continues ? partial + (2 * b + (continued ? 0 : 1)) * C : dtable + row * C;
+      const bool add = !continued && !continues;
+      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        const float v = sum_rows(dout, tokens, s, e, C, c);
+        to[c] = add ? to[c] + v : v;
+      }
+    }
+    s = e;
+  }
+}
+
+// Block b owns the run that starts in its chunk and crosses into the next: adds its pieces in chunk order.
+__global__ void scatter_finish_kernel(float* dtable, const float* partial, const int32_t* keys, int64_t T,
+                                      int64_t V, int64_t C, int64_t start) {
+  const int64_t b = blockIdx.x, lo = b * kChunk, hi = min(T, lo + kChunk);
+  const int32_t key = keys[hi - 1];
+  if (hi >= T || keys[hi] != key) return;                        // the chunk's last run ends here
+  if (keys[lo] == key && lo > 0 && keys[lo - 1] == key) return;  // ... or started before it
   const int64_t row = static_cast<int64_t>(key) - start;
   if (row < 0 || row >= V) return;
-  int64_t end = b + 1;
-  while (end < T && keys[end] == key) ++end;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int64_t j = b;
-    for (; j + 8 <= end; j += 8) {
-#pragma unroll
-      for (int k = 0; k < 8; ++k) acc[k] += to_f(dout[static_cast<int64_t>(tokens[j + k]) * C + c]);
+    float acc = partial[(2 * b + 1) * C + c];
+    for (int64_t q = b + 1;; ++q) {
+      acc += partial[2 * q * C + c];
+      const int64_t qhi = min(T, (q + 1) * kChunk);
+      if (qhi >= T || keys[qhi] != key || keys[qhi - 1] != key) break;
     }
-    for (int k = 0; j < end; ++j, ++k) acc[k] += to_f(dout[static_cast<int64_t>(tokens[j]) * C + c]);
-    dtable[row * C + c] += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    dtable[row * C + c] += acc;
   }
 }
 
@@ -105,8 +144,13 @@ void scatter_add_rows(float* dtable, const E* dout, const int32_t* ids, int64_t 
   NDT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.as<void>(), temp_bytes, ids, keys_out, tok_in, tok_out,
                                                  n, 0, 32, stream));
   const int block = C >= 256 ? 256 : static_cast<int>((C + 31) / 32 * 32);
-  scatter_sorted_kernel<E>
-      <<<static_cast<unsigned>(T), block, 0, stream>>>(dtable, dout, keys_out, tok_out, T, V, C, start);
+  const int64_t nchunk = (T + kChunk - 1) / kChunk;
+  Scratch partial(sizeof(float) * 2 * nchunk * C, stream);
+  scatter_chunks_kernel<E><<<static_cast<unsigned>(nchunk), block, 0, stream>>>(
+      dtable, partial.as<float>(), dout, keys_out, tok_out, T, V, C, start);
+  NDT_CUDA_CHECK_LAUNCH();
+  scatter_finish_kernel<<<static_cast<unsigned>(nchunk), block, 0, stream>>>(dtable, partial.as<float>(),
+                                                                             keys_out, T, V, C, start);
   NDT_CUDA_CHECK_LAUNCH();
 }
 }  // namespace

@@ -499,16 +499,27 @@ TYPED_TEST(CudaOps, Embeddings) {
   ndt::cuda::embedding_forward<E>(out.p, did.p, dtab.p, Tn, V, C, vstart);
   ndt::cpu::embedding_forward(ref.data(), ids.data(), table.data(), Tn, V, C, vstart);
   expect_close<E>("embedding_forward", out.get(), ref);
-  Dev<float> dtable(pre_t);
-  Vec rdt = pre_t;
-  ndt::cuda::embedding_backward<E>(dtable.p, dg.p, did.p, Tn, V, C, vstart);
-  ndt::cpu::embedding_backward(rdt.data(), g.data(), ids.data(), Tn, V, C, vstart);
-  expect_close<E>("embedding_backward(+=)", dtable.get(), rdt, 1e-5);
-  // determinism: a second run from the same start gives the same bits
-  const Vec first = dtable.get();
-  dtable.upload(pre_t);
-  ndt::cuda::embedding_backward<E>(dtable.p, dg.p, did.p, Tn, V, C, vstart);
-  EXPECT_EQ(first, dtable.get()) << "embedding_backward is not deterministic";
+  // The backward against the CPU (accumulating onto pre_t), and deterministic: a second run from the same
+  // start gives the same bits.
+  auto check_backward = [&](const std::vector<int32_t>& bids, const Vec& bg, const char* label) {
+    const int64_t n = static_cast<int64_t>(bids.size());
+    DevI dbids(bids);
+    Dev<E> dbg(bg);
+    Dev<float> dtable(pre_t);
+    Vec rdt = pre_t;
+    ndt::cuda::embedding_backward<E>(dtable.p, dbg.p, dbids.p, n, V, C, vstart);
+    ndt::cpu::embedding_backward(rdt.data(), bg.data(), bids.data(), n, V, C, vstart);
+    expect_close<E>(label, dtable.get(), rdt, 1e-5);
+    const Vec first = dtable.get();
+    dtable.upload(pre_t);
+    ndt::cuda::embedding_backward<E>(dtable.p, dbg.p, dbids.p, n, V, C, vstart);
+    EXPECT_EQ(first, dtable.get()) << label << " is not deterministic";
+  };
+  check_backward(ids, g, "embedding_backward(+=)");
+  // Skewed ids: runs of equal ids from 1 to ~1800 tokens, crossing many of the backward's 32-row pieces.
+  auto skewed = randi(3001, 38, 0, 1000);
+  for (auto& id : skewed) id = id < 600 ? 100 : id < 800 ? 358 : id < 850 ? 40 : 60 + id % 340;
+  check_backward(skewed, rounded<E>(randv(3001 * C, 39)), "embedding_backward(+=), skewed ids");
 
   const auto pos = randi(Tn, 37, 0, P);
   DevI dpos(pos);
@@ -850,6 +861,13 @@ TEST(CudaKernelBench, DISABLED_Timings) {
     ms = time_ms([&] { ndt::cuda::embedding_backward<bf16>(dtab.p, x.p, ids.p, t, v, ic, 0); });
     std::printf("[time] embedding_backward bf16 (T=%lld, C=%lld): %.3f ms\n", (long long)t, (long long)ic,
                 ms);
+    // Byte-level text: ~100 distinct ids, the most frequent (space) ~17% of the tokens.
+    auto skew = randi(t, 12, 0, 1 << 20);
+    for (auto& id : skew) id = static_cast<int32_t>(100.0 * std::pow(id / double(1 << 20), 3.0));
+    DevI sk(skew);
+    ms = time_ms([&] { ndt::cuda::embedding_backward<bf16>(dtab.p, x.p, sk.p, t, v, ic, 0); });
+    std::printf("[time] embedding_backward bf16, skewed ids (T=%lld, C=%lld): %.3f ms\n", (long long)t,
+                (long long)ic, ms);
   }
   {  // AdamW over GPT-2 124M parameters
     const int64_t n = 124439808;
