@@ -1,5 +1,6 @@
 #include "cuda/runtime.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -26,6 +27,30 @@ struct DeviceState {
 };
 
 thread_local cudaStream_t g_override = nullptr;  // OnSideStream
+
+// Live bytes of the graph being captured (its allocations are graph-owned, outside the pool's counters):
+// sizes by pointer, the running sum and its high-water mark; and the highest pool-plus-graph peak so far.
+struct CaptureMemory {
+  bool active = false;
+  std::map<void*, size_t> sizes;
+  uint64_t now = 0, high = 0, base = 0;
+  uint64_t peak = 0;
+};
+CaptureMemory g_capture_mem;
+
+void track_alloc(void* p, size_t bytes) {
+  if (!g_capture_mem.active) return;
+  g_capture_mem.sizes[p] = bytes;
+  g_capture_mem.high = std::max(g_capture_mem.high, g_capture_mem.now += bytes);
+}
+
+void track_free(void* p) noexcept {
+  if (!g_capture_mem.active) return;
+  auto it = g_capture_mem.sizes.find(p);
+  if (it == g_capture_mem.sizes.end()) return;
+  g_capture_mem.now -= it->second;
+  g_capture_mem.sizes.erase(it);
+}
 
 DeviceState& state() {
   static DeviceState states[kMaxDevices];
@@ -92,11 +117,13 @@ void* device_alloc(size_t bytes) {
         static_cast<double>(bytes) / kGiB, m.device_used_gib, m.device_total_gib, m.peak_allocated_gib);
   }
   NDT_CUDA_CHECK(err);
+  track_alloc(p, bytes);
   return p;
 }
 
 void device_free(void* p) noexcept {
   if (!p) return;
+  track_free(p);
   try {
     if (cudaFreeAsync(p, stream()) != cudaSuccess) cudaGetLastError();  // teardown: runtime may be gone
   } catch (...) {
@@ -105,6 +132,8 @@ void device_free(void* p) noexcept {
 
 void copy_h2d(void* dst, const void* src, size_t bytes) {
   if (!bytes) return;
+  // A graph would replay the host data of the capture: inputs that change must sit in device buffers.
+  NDT_CHECK(!capturing(), "a host-to-device copy of {} bytes inside a CUDA graph capture", bytes);
   // From pageable memory the driver may wait for the stream before staging: a wait the watchdog watches.
   BlockingWait wait("host-to-device copy", 1);
   NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream()));
@@ -130,17 +159,41 @@ void copy_d2d_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_
         cudaMemcpy2DAsync(dst, dpitch, src, spitch, width_bytes, rows, cudaMemcpyDeviceToDevice, stream()));
 }
 
-std::unique_ptr<Graph> Graph::capture(const std::function<void()>& enqueue) {
+bool capturing() {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  NDT_CUDA_CHECK(cudaStreamIsCapturing(stream(), &st));
+  return st != cudaStreamCaptureStatusNone;
+}
+
+void release_cached_memory() {
+  DeviceState& s = state();
+  NDT_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  NDT_CUDA_CHECK(cudaMemPoolTrimTo(s.pool, 0));
+}
+
+std::unique_ptr<Graph> Graph::capture(const std::function<void()>& enqueue, std::string* why) {
+  DeviceState& s = state();
+  uint64_t pool_now = 0;
+  NDT_CUDA_CHECK(cudaMemPoolGetAttribute(s.pool, cudaMemPoolAttrUsedMemCurrent, &pool_now));
+  g_capture_mem = {true, {}, 0, 0, pool_now, g_capture_mem.peak};
   NDT_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
   bool ok = true;
   try {
     enqueue();
-  } catch (...) {
+  } catch (const std::exception& e) {
     ok = false;  // e.g. an op that synchronizes: the capture is invalidated
+    if (why) *why = e.what();
+  } catch (...) {
+    ok = false;
+    if (why) *why = "unknown exception";
   }
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream(), &graph);
   std::unique_ptr<Graph> g;
+  if (ok && end != cudaSuccess && why) *why = cudaGetErrorString(end);
+  g_capture_mem.active = false;
+  if (ok && end == cudaSuccess)  // what the graph's launches hold at most, beside the pool's tensors now
+    g_capture_mem.peak = std::max(g_capture_mem.peak, g_capture_mem.base + g_capture_mem.high);
   if (ok && end == cudaSuccess && graph) {
     g.reset(new Graph());
     if (cudaGraphInstantiateWithFlags(&g->exec_, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch) !=
@@ -164,9 +217,11 @@ void memset_zero(void* p, size_t bytes) {
 
 Scratch::Scratch(size_t bytes, cudaStream_t stream) : stream_(stream) {
   if (bytes) NDT_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
+  track_alloc(ptr_, bytes);
 }
 
 Scratch::~Scratch() {
+  track_free(ptr_);
   if (ptr_) cudaFreeAsync(ptr_, stream_);
 }
 
@@ -243,6 +298,7 @@ MemoryStats memory_stats() {
   MemoryStats m;
   uint64_t used_high = 0, reserved_high = 0;
   NDT_CUDA_CHECK(cudaMemPoolGetAttribute(s.pool, cudaMemPoolAttrUsedMemHigh, &used_high));
+  used_high = std::max(used_high, g_capture_mem.peak);
   NDT_CUDA_CHECK(cudaMemPoolGetAttribute(s.pool, cudaMemPoolAttrReservedMemHigh, &reserved_high));
   size_t free_b = 0, total_b = 0;
   NDT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
@@ -258,6 +314,7 @@ void reset_peak_memory() {
   uint64_t zero = 0;
   NDT_CUDA_CHECK(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrUsedMemHigh, &zero));
   NDT_CUDA_CHECK(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrReservedMemHigh, &zero));
+  g_capture_mem.peak = 0;
 }
 
 // ---- phase timing ----

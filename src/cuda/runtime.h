@@ -44,6 +44,10 @@ void synchronize();
 void sync_stream(cudaStream_t s);
 // Whether p points to device (or managed) memory; host memory, pinned or not, is false.
 bool is_device_pointer(const void* p);
+// Whether stream() is being captured into a graph now.
+bool capturing();
+// Returns the pool's cached free memory to the device (after a graph capture: the graph holds its own).
+void release_cached_memory();
 
 // A CUDA graph of the work `enqueue` puts on stream() (stream capture, thread-local mode), replayed by
 // launch() with the same pointers and sizes: the caller keeps every buffer the work reads or writes at a
@@ -52,7 +56,8 @@ bool is_device_pointer(const void* p);
 // pending, when the work cannot be captured (an op that synchronizes, say): run it eagerly then.
 class Graph {
  public:
-  static std::unique_ptr<Graph> capture(const std::function<void()>& enqueue);
+  // `why`, when given, receives the reason a capture failed (the exception of the failing op).
+  static std::unique_ptr<Graph> capture(const std::function<void()>& enqueue, std::string* why = nullptr);
   ~Graph();
   void launch();  // asynchronous on stream()
   Graph(const Graph&) = delete;
@@ -121,8 +126,9 @@ int select_device(int fallback_rank);
 int current_device();
 
 struct MemoryStats {
-  double peak_allocated_gib =
-      0;  // high-water mark of live tensor bytes in the pool (as torch's max_memory_allocated)
+  // High-water mark of live tensor bytes (as torch's max_memory_allocated): the pool's, or, where larger, the
+  // pool's live bytes at a graph's capture plus the most the graph's own allocations hold at once.
+  double peak_allocated_gib = 0;
   double peak_reserved_gib = 0;  // high-water mark of memory the pool held
   double device_used_gib = 0;    // total - free of the whole device now (context, cuBLAS workspaces, pool)
   double device_total_gib = 0;

@@ -167,6 +167,7 @@ const std::vector<KeyDef>& schema() {
       str_key("train.precision", {"auto", "fp32", "bf16"}, t(&T::precision)),
       str_key("train.attention", {"auto", "cudnn", "native"}, t(&T::attention)),
       bool_key("train.recompute", t(&T::recompute)),
+      bool_key("train.cuda_graphs", t(&T::cuda_graphs)),
       bool_key("train.tensorboard", t(&T::tensorboard)),
       str_key("train.nonfinite", {"stop", "skip"}, t(&T::nonfinite)),
       int_key("train.max_consecutive_skips", 1, kInf, t(&T::max_consecutive_skips)),

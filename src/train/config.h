@@ -120,6 +120,7 @@ struct TrainConfig {
   // built-in kernels only).
   std::string attention = "auto";
   bool recompute = false;    // recompute each layer's forward during backward (less memory)
+  bool cuda_graphs = true;   // replay repeated training steps' forward + backward from a CUDA graph
   bool tensorboard = false;  // also write metrics as TensorBoard events (<out_dir>/tensorboard)
   // A step whose loss or reduced gradients hold NaN/Inf (docs/reliability.md): "stop" ends the run with an
   // error on every rank; "skip" leaves weights and optimizer state as they are and goes on, up to

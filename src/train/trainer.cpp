@@ -117,6 +117,13 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   // of the layers before it.
   if (opt_->overlaps_reduction())
     engine_->set_grads_ready_hook([this](int64_t b, int64_t e) { opt_->reduce_early(b, e); });
+  // One process on one GPU, dense: the forward and backward enqueue nothing that depends on other ranks or
+  // on values read back (MoE routes on the host), so they can be replayed from a graph.
+  // NDT_CUDA_GRAPHS=0 turns them off like train.cuda_graphs=false (A/B runs of one config).
+  const char* graphs_env = std::getenv("NDT_CUDA_GRAPHS");
+  const bool graphs = cfg_.train.cuda_graphs && !(graphs_env && std::string(graphs_env) == "0");
+  if (cfg_.train.device == "cuda" && graphs && c_.world->size() == 1 && !cfg_.model.moe.enabled())
+    graph_ = std::make_unique<StepGraph>(/*seqlens_on_host=*/cfg_.train.effective_precision() == "bf16");
 }
 
 void Trainer::set_companion(StepCompanion* c) {
@@ -236,19 +243,34 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   NDT_CHECK(n_tokens > 0, "step {}: the global batch has no loss-bearing tokens", step);
   const float scale = 1.0f / static_cast<float>(n_tokens);
 
-  phase_mark(engine_->params().device(), "zero grads");
-  engine_->params().zero_grad();
-  phase_mark(engine_->params().device(), "other");
-  if (companion_) {
-    NDT_CHECK(token_loss == nullptr, "post-training steps do not take a second module (multimodal) yet");
-    companion_->begin_step(step);  // phase 1: encoder forward, bridged to this rank's samples
-  }
-  engine_->begin_moe_step(static_cast<double>(counts[1]), static_cast<double>(counts[2]));
   const bool tracing = !trace_path_.empty() && step >= 1 && step <= 3;
+  bool profiling = false;
+#ifdef NDT_HAVE_CUDA
+  profiling = cuda::profiling_enabled();
+#endif
   const double t0_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  double loss_sum = engine_->train(mbs, scale, tracing ? &trace_ : nullptr, t0_us, token_loss);
-  engine_->end_moe_step();
+  double loss_sum = 0;
+  if (graph_ && !token_loss && !companion_ && !tracing && !profiling) {
+    engine_->begin_moe_step(static_cast<double>(counts[1]), static_cast<double>(counts[2]));
+    graph_->run(mbs, scale, [&](const std::vector<Microbatch>& dev) {
+      engine_->params().zero_grad();
+      engine_->train(dev, scale, nullptr, t0_us, nullptr);
+    });
+    engine_->end_moe_step();
+    report_graph(step);
+  } else {
+    phase_mark(engine_->params().device(), "zero grads");
+    engine_->params().zero_grad();
+    phase_mark(engine_->params().device(), "other");
+    if (companion_) {
+      NDT_CHECK(token_loss == nullptr, "post-training steps do not take a second module (multimodal) yet");
+      companion_->begin_step(step);  // phase 1: encoder forward, bridged to this rank's samples
+    }
+    engine_->begin_moe_step(static_cast<double>(counts[1]), static_cast<double>(counts[2]));
+    loss_sum = engine_->train(mbs, scale, tracing ? &trace_ : nullptr, t0_us, token_loss);
+    engine_->end_moe_step();
+  }
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (step > 0) {  // step 0 includes one-time allocation
     compute_s_ += engine_->last_compute_seconds();
@@ -323,6 +345,21 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
 #endif
   history_.push_back(st);
   return st;
+}
+
+void Trainer::report_graph(int64_t step) {
+  if (graph_->just_captured()) {
+    std::printf(
+        "cuda graphs: step %lld's forward and backward captured; steps of the same shape replay them\n",
+        static_cast<long long>(step));
+    std::fflush(stdout);
+  }
+  if (!graph_->failure().empty() && graph_->failure() != graph_failure_told_) {
+    graph_failure_told_ = graph_->failure();
+    std::printf("cuda graphs: step %lld could not be captured and ran eagerly: %s\n",
+                static_cast<long long>(step), graph_failure_told_.c_str());
+    std::fflush(stdout);
+  }
 }
 
 std::string Trainer::check_nonfinite(double local_loss, double loss, double grad_norm,

@@ -22,6 +22,7 @@
 #include "train/logprobs.h"
 #include "train/moe_metrics.h"
 #include "train/optimizer.h"
+#include "train/step_graph.h"
 #include "train/token_loss.h"
 
 namespace ndt {
@@ -112,6 +113,8 @@ class Trainer {
   // Write a Chrome trace of steps 1..3 (forward/backward/send/recv per rank) to `path` at the end of run().
   void set_trace(const std::string& path) { trace_path_ = path; }
   const std::vector<StepStats>& history() const { return history_; }
+  // CUDA graphs of the training steps (train.cuda_graphs); null where this run does not use them.
+  const StepGraph* step_graph() const { return graph_.get(); }
   // Packed runs group a step's samples into a multiple of this many microbatches (pp under the
   // interleaved schedule, else 1); settable so that a reference run can group like a layout does.
   int64_t pack_count_multiple() const { return pack_count_multiple_; }
@@ -143,6 +146,8 @@ class Trainer {
   // Whether DP replicas must make the same model calls (expert parallelism exchanges tokens between them).
   bool lockstep() const { return c_.ep_hooks != nullptr; }
   void report_pipeline(bool logger);
+  // Prints (this run has one rank) a graph capture of this step, or why it failed (once per reason).
+  void report_graph(int64_t step);
   // The non-finite check of a step (docs/reliability.md), collective over the world: every rank gets the
   // same answer, empty when the loss and the reduced gradients are finite, else a message naming
   // the first parameter (registration order) with a non-finite gradient and the ranks that saw it.
@@ -167,7 +172,9 @@ class Trainer {
   std::vector<EvalStats> evals_;
   StepCompanion* companion_ = nullptr;
   std::function<void(int64_t)> grads_hook_;
-  std::vector<Fault> faults_;  // debug.fault / NDT_FAULT (train/fault.h)
+  std::vector<Fault> faults_;         // debug.fault / NDT_FAULT (train/fault.h)
+  std::unique_ptr<StepGraph> graph_;  // train.cuda_graphs on a layout that allows them (else null)
+  std::string graph_failure_told_;    // the capture failure already printed
   int64_t skipped_steps_ = 0, consecutive_skips_ = 0;
 };
 

@@ -31,6 +31,7 @@ struct TrainResult {
   std::vector<float> weights;
   double peak_mem_gib = 0;
   std::vector<double> peak_mem_gib_per_rank;
+  int64_t graph_replays = -1, graph_captures = -1;  // -1: the run used no CUDA graphs
 };
 
 TrainResult train(const Config& cfg) {
@@ -46,6 +47,10 @@ TrainResult train(const Config& cfg) {
     r.peak_mem_gib_per_rank = st.peak_mem_gib_per_rank;
   }
   r.weights = t.params().flat_values().to_vector<float>();
+  if (const StepGraph* g = t.step_graph()) {
+    r.graph_replays = g->replays();
+    r.graph_captures = g->captures();
+  }
   return r;
 }
 
@@ -99,6 +104,47 @@ TEST_P(GpuTrain, Bf16FollowsFp32) {
   for (size_t i = 0; i < cpu.losses.size(); ++i)
     EXPECT_NEAR(gpu.losses[i], cpu.losses[i], 2e-2 * cpu.losses[i]) << "step " << i;
   EXPECT_LT(gpu.losses.back(), gpu.losses.front());
+}
+
+// CUDA graphs (train.cuda_graphs, on by default) against launching every kernel from the host, 5 steps
+// with different data each. fp32 runs the built-in attention, which is bit-reproducible: a replay must give
+// the same bits. Unpacked, step 0 runs eagerly, step 1 is captured, every step from 1 on is replayed; packed
+// microbatches change their sequence layout from step to step, so those steps run eagerly.
+TEST_P(GpuTrain, GraphReplayGivesEagerBits) {
+  NDT_REQUIRE_GPU();
+  const Case& c = GetParam();
+  std::vector<std::string> sets = c.extra;
+  sets.insert(sets.end(), {"train.device=cuda", "train.precision=fp32", "train.steps=5"});
+  TrainResult graphed = train(small_config(c.style, sets));
+  sets.push_back("train.cuda_graphs=false");
+  TrainResult eager = train(small_config(c.style, sets));
+  EXPECT_EQ(eager.graph_replays, -1);
+  const bool packed = c.name.find("packed") != std::string::npos;
+  if (!packed) {
+    EXPECT_EQ(graphed.graph_captures, 1);
+    EXPECT_EQ(graphed.graph_replays, 4);
+  }
+  EXPECT_EQ(graphed.losses, eager.losses);
+  EXPECT_TRUE(graphed.weights == eager.weights);
+  EXPECT_NE(graphed.losses[3], graphed.losses[4]);
+}
+
+// bf16 runs cuDNN's fused attention inside the graph; its backward sums dQ with atomics, so the runs agree
+// to the tolerance of two eager runs (as recomputation's test below): losses to 1e-3 relative.
+TEST_P(GpuTrain, GraphReplayBf16FollowsEager) {
+  NDT_REQUIRE_GPU();
+  const Case& c = GetParam();
+  std::vector<std::string> sets = c.extra;
+  sets.insert(sets.end(), {"train.device=cuda", "train.precision=bf16", "train.steps=5"});
+  TrainResult graphed = train(small_config(c.style, sets));
+  sets.push_back("train.cuda_graphs=false");
+  TrainResult eager = train(small_config(c.style, sets));
+  if (c.name.find("packed") == std::string::npos) EXPECT_EQ(graphed.graph_replays, 4);
+  EXPECT_DOUBLE_EQ(graphed.losses[0], eager.losses[0]);
+  for (size_t i = 1; i < eager.losses.size(); ++i)
+    EXPECT_NEAR(graphed.losses[i], eager.losses[i], 1e-3 * eager.losses[i]) << "step " << i;
+  std::printf("[info] peak memory: eager %.4f GiB, graphed %.4f GiB\n", eager.peak_mem_gib,
+              graphed.peak_mem_gib);
 }
 
 TEST(GpuTrainRecompute, SameLossesAsStoring) {

@@ -171,7 +171,9 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
   std::map<Key, Activations> acts;
   std::map<Key, Tensor> x_in, y_out, dy_in, dx_out, seeds;
   double loss = 0;
-  loss_acc_ = Tensor::zeros({1}, DType::F64, store_.device());
+  // One buffer for the run (a captured step adds into it at a fixed address), zeroed on the stream.
+  if (!loss_acc_.defined()) loss_acc_ = Tensor::zeros({1}, DType::F64, store_.device());
+  loss_acc_.zero_();
   compute_s_ = span_s_ = 0;
   const bool gpu_timed = store_.device() == Device::CUDA && p_ > 1;
 #ifdef NDT_HAVE_CUDA
@@ -285,10 +287,8 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
 }
 
 double PipelineEngine::take_loss() {
-  if (!loss_acc_.defined()) return 0.0;
-  const double sum = loss_acc_.to_vector<double>()[0];
-  loss_acc_ = Tensor();
-  return sum;
+  // (No host flag of train()'s: a step replayed from a CUDA graph runs none of train()'s host code.)
+  return loss_acc_.defined() ? loss_acc_.to_vector<double>()[0] : 0.0;
 }
 
 void PipelineEngine::sync_tied_grads() {

@@ -59,7 +59,8 @@ class PipelineEngine {
                std::vector<pp::TraceEvent>* trace = nullptr, double t0_us = 0,
                TokenLoss* token_loss = nullptr);
   // After train(): this rank's cross-entropy loss sum of that step (0 on stages without the head, or with a
-  // token_loss); waits for the device. Read late (after the gradient norm), it costs no extra wait.
+  // token_loss); waits for the device. Read late (after the gradient norm), it costs no extra wait. Read
+  // once per train().
   double take_loss();
   // After train(): sums the tied embedding's gradient between the first and last stage.
   void sync_tied_grads();
