@@ -117,13 +117,18 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   // of the layers before it.
   if (opt_->overlaps_reduction())
     engine_->set_grads_ready_hook([this](int64_t b, int64_t e) { opt_->reduce_early(b, e); });
+#ifdef NDT_HAVE_CUDA
   // One process on one GPU, dense: the forward and backward enqueue nothing that depends on other ranks or
-  // on values read back (MoE routes on the host), so they can be replayed from a graph.
-  // NDT_CUDA_GRAPHS=0 turns them off like train.cuda_graphs=false (A/B runs of one config).
+  // on values read back (MoE routes on the host), so they can be replayed from a graph. NDT_CUDA_GRAPHS=0
+  // turns them off like train.cuda_graphs=false (A/B runs of one config).
   const char* graphs_env = std::getenv("NDT_CUDA_GRAPHS");
   const bool graphs = cfg_.train.cuda_graphs && !(graphs_env && std::string(graphs_env) == "0");
-  if (cfg_.train.device == "cuda" && graphs && c_.world->size() == 1 && !cfg_.model.moe.enabled())
-    graph_ = std::make_unique<StepGraph>(/*seqlens_on_host=*/cfg_.train.effective_precision() == "bf16");
+  if (cfg_.train.device == "cuda" && graphs && c_.world->size() == 1 && !cfg_.model.moe.enabled()) {
+    // cuDNN's attention (bf16) reads the sequence layout on the host; the built-in kernels on the device.
+    const bool cudnn = cfg_.train.effective_precision() == "bf16" && cuda::cudnn_attention_enabled();
+    graph_ = std::make_unique<StepGraph>(/*seqlens_on_host=*/cudnn);
+  }
+#endif
 }
 
 void Trainer::set_companion(StepCompanion* c) {

@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "cuda/cudnn_attention.h"
 #include "cuda/runtime.h"
 #include "data/make_dataset.h"
 #include "gpu_test.h"
@@ -145,6 +146,22 @@ TEST_P(GpuTrain, GraphReplayBf16FollowsEager) {
     EXPECT_NEAR(graphed.losses[i], eager.losses[i], 1e-3 * eager.losses[i]) << "step " << i;
   std::printf("[info] peak memory: eager %.4f GiB, graphed %.4f GiB\n", eager.peak_mem_gib,
               graphed.peak_mem_gib);
+}
+
+// bf16 on the built-in attention kernels (train.attention=native) reads the sequence layout on the device:
+// those steps are replayed too.
+TEST(GpuTrainGraphs, NativeAttentionBf16Replays) {
+  NDT_REQUIRE_GPU();
+  const std::vector<std::string> sets = {"train.device=cuda", "train.precision=bf16", "train.steps=5",
+                                         "train.attention=native"};
+  TrainResult graphed = train(small_config("llama", sets));
+  std::vector<std::string> eager_sets = sets;
+  eager_sets.push_back("train.cuda_graphs=false");
+  TrainResult eager = train(small_config("llama", eager_sets));
+  ndt::cuda::set_cudnn_attention_enabled(true);  // (train.attention=native turned it off for the process)
+  EXPECT_EQ(graphed.graph_replays, 4);
+  for (size_t i = 0; i < eager.losses.size(); ++i)
+    EXPECT_NEAR(graphed.losses[i], eager.losses[i], 1e-3 * eager.losses[i]) << "step " << i;
 }
 
 TEST(GpuTrainRecompute, SameLossesAsStoring) {
