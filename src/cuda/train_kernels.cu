@@ -4,9 +4,11 @@
 namespace ndt::cuda {
 namespace {
 
-__global__ void scale_mask_kernel(float* dloss, const float* mask, float scale, int64_t T) {
+// The scale is an argument, or read from device memory (a CUDA graph replays it with each step's value).
+__global__ void scale_mask_kernel(float* dloss, const float* mask, float scale, const float* scale_at,
+                                  int64_t T) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < T) dloss[i] = scale * mask[i];
+  if (i < T) dloss[i] = (scale_at ? *scale_at : scale) * mask[i];
 }
 
 constexpr int kLossThreads = 1024;
@@ -34,7 +36,14 @@ __global__ void hang_kernel() {
 
 void scale_mask(float* dloss, const float* mask, float scale, int64_t T, cudaStream_t stream) {
   if (T == 0) return;
-  scale_mask_kernel<<<static_cast<unsigned>((T + 255) / 256), 256, 0, stream>>>(dloss, mask, scale, T);
+  scale_mask_kernel<<<static_cast<unsigned>((T + 255) / 256), 256, 0, stream>>>(dloss, mask, scale, nullptr,
+                                                                                T);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+void scale_mask_at(float* dloss, const float* mask, const float* scale, int64_t T, cudaStream_t stream) {
+  if (T == 0) return;
+  scale_mask_kernel<<<static_cast<unsigned>((T + 255) / 256), 256, 0, stream>>>(dloss, mask, 0.f, scale, T);
   NDT_CUDA_CHECK_LAUNCH();
 }
 

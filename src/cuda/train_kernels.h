@@ -9,6 +9,8 @@ namespace ndt::cuda {
 
 // dloss[t] = scale * mask[t]
 void scale_mask(float* dloss, const float* mask, float scale, int64_t T, cudaStream_t stream);
+// The same with the scale read from device memory when the kernel runs.
+void scale_mask_at(float* dloss, const float* mask, const float* scale, int64_t T, cudaStream_t stream);
 // *result (device double) += -sum_t logprob[t] * mask[t] over rows with mask != 0; one block, fixed
 // order (deterministic).
 void masked_loss_sum(double* result, const float* logprob, const float* mask, int64_t T, cudaStream_t stream);

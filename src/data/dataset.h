@@ -51,6 +51,9 @@ struct Microbatch {
   int64_t nseq = 0;
   int64_t max_seqlen = 0;
   int64_t num_loss_tokens = 0;  // sum of loss_mask
+  // Optional, one f32 element where the model runs: the loss gradient's scale, read on the device instead
+  // of the engine's argument (a step replayed from a CUDA graph reads the value of its own step).
+  Tensor loss_scale;
   // Per sequence, its real (non-padding) inputs: positions [0, seq_real[s]) of sequence s are sample
   // tokens, the rest padding (0 for a pad-only sequence). Layout-independent statistics (MoE load
   // balancing) count real tokens and sequences only, since padding depends on the layout.

@@ -618,7 +618,10 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
       NDT_CHECK(seed->numel() == T, "loss seed has {} rows, the microbatch {}", seed->numel(), T);
       ops::fill_dloss(dloss, *seed, 1.0f);
     } else {
-      ops::fill_dloss(dloss, mb.loss_mask, loss_scale);
+      if (mb.loss_scale.defined())
+        ops::fill_dloss(dloss, mb.loss_mask, mb.loss_scale);
+      else
+        ops::fill_dloss(dloss, mb.loss_mask, loss_scale);
     }
     // The logits die here: their buffer becomes dlogits (saves a (T, V) tensor, the largest of the step).
     if (acts.loss_in_backward) {

@@ -840,6 +840,21 @@ void fill_dloss(Tensor& dloss, const Tensor& mask, float scale) {
   for (int64_t t = 0; t < dloss.numel(); ++t) d[t] = scale * m[t];
 }
 
+void fill_dloss(Tensor& dloss, const Tensor& mask, const Tensor& scale) {
+  NDT_CHECK(scale.numel() == 1 && scale.dtype() == DType::F32 && scale.device() == dloss.device(),
+            "fill_dloss: the scale must be one f32 element on the loss gradient's device");
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(dloss)) {
+    NDT_CHECK(dloss.numel() == mask.numel(), "fill_dloss: {} vs {} rows", dloss.numel(), mask.numel());
+    Tensor k;
+    cuda::scale_mask_at(dp<float>(dloss, "dloss"), dev_meta<float>(mask, k), scale.f32(), dloss.numel(),
+                        st());
+    return;
+  }
+#endif
+  fill_dloss(dloss, mask, scale.f32()[0]);
+}
+
 Tensor add(const Tensor& a, const Tensor& b, const Tensor* bias) {
   NDT_CHECK(a.numel() == b.numel(), "add: {} vs {}", shape_str(a.shape()), shape_str(b.shape()));
   const int64_t C = bias ? bias->numel() : 1;

@@ -168,6 +168,9 @@ double masked_loss_sum(const Tensor& logprob, const Tensor& mask);
 void masked_loss_sum_into(Tensor& acc, const Tensor& logprob, const Tensor& mask);
 // dloss(T) = scale * mask (dloss on any device, mask f32).
 void fill_dloss(Tensor& dloss, const Tensor& mask, float scale);
+// The same with the scale a one-element f32 tensor on dloss's device, read when the op runs (a replayed
+// CUDA graph reads the value of its step).
+void fill_dloss(Tensor& dloss, const Tensor& mask, const Tensor& scale);
 
 // ---- elementwise / conversion ----
 // a + (b + bias) as a new tensor (like a); bias (optional) has the size of a row and is added to every row.

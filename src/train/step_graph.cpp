@@ -1,7 +1,6 @@
 #include "train/step_graph.h"
 
 #include <algorithm>
-#include <bit>
 
 #include "core/check.h"
 
@@ -11,13 +10,13 @@
 
 namespace ndt {
 
-std::vector<int64_t> step_signature(const std::vector<Microbatch>& mbs, float loss_scale) {
-  std::vector<int64_t> sig = {static_cast<int64_t>(mbs.size()), std::bit_cast<int32_t>(loss_scale)};
+std::vector<int64_t> step_signature(const std::vector<Microbatch>& mbs) {
+  std::vector<int64_t> sig = {static_cast<int64_t>(mbs.size())};
   for (const Microbatch& mb : mbs) {
     const int64_t n_cu = mb.cu_seqlens.defined() ? mb.cu_seqlens.numel() : -1;
     sig.insert(sig.end(), {mb.num_tokens(), mb.nseq, mb.max_seqlen, n_cu,
                            (mb.targets.defined() ? 1 : 0) | (mb.loss_mask.defined() ? 2 : 0) |
-                               (mb.positions.defined() ? 4 : 0)});
+                               (mb.positions.defined() ? 4 : 0) | (mb.loss_scale.defined() ? 8 : 0)});
     if (n_cu > 0) {
       const Tensor cu = mb.cu_seqlens.device() == Device::CPU ? mb.cu_seqlens : mb.cu_seqlens.to(Device::CPU);
       sig.insert(sig.end(), cu.i32(), cu.i32() + n_cu);
@@ -33,8 +32,10 @@ struct StepGraph::Inputs {
 
 #ifdef NDT_HAVE_CUDA
 
-std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs) {
+std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs, float loss_scale) {
   bool moved = bufs_.size() != mbs.size();
+  if (!scale_.defined()) scale_ = Tensor::empty({1}, DType::F32, Device::CUDA);
+  scale_.copy_from(Tensor::full({1}, loss_scale));
   bufs_.resize(mbs.size());
   std::vector<Microbatch> dev;
   for (size_t i = 0; i < mbs.size(); ++i) {
@@ -55,6 +56,7 @@ std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs) {
     put(b.loss_mask, d.loss_mask);
     put(b.positions, d.positions);
     if (!seqlens_on_host_) put(b.cu_seqlens, d.cu_seqlens);
+    d.loss_scale = scale_;
     dev.push_back(std::move(d));
   }
   if (moved) graph_.reset();
@@ -63,8 +65,8 @@ std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs) {
 
 bool StepGraph::run(const std::vector<Microbatch>& mbs, float loss_scale,
                     const std::function<void(const std::vector<Microbatch>&)>& work) {
-  std::vector<int64_t> sig = step_signature(mbs, loss_scale);
-  const std::vector<Microbatch> dev = upload(mbs);
+  std::vector<int64_t> sig = step_signature(mbs);
+  const std::vector<Microbatch> dev = upload(mbs, loss_scale);
   just_captured_ = false;
   if (graph_ && sig != graph_sig_ && sig == prev_sig_) graph_.reset();  // a new shape that repeats
   if (!graph_ && sig == prev_sig_ && std::find(failed_.begin(), failed_.end(), sig) == failed_.end()) {
@@ -98,7 +100,7 @@ namespace cuda {
 class Graph {};  // (no graphs without the CUDA backend)
 }  // namespace cuda
 
-std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs) { return mbs; }
+std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs, float) { return mbs; }
 
 bool StepGraph::run(const std::vector<Microbatch>& mbs, float,
                     const std::function<void(const std::vector<Microbatch>&)>& work) {

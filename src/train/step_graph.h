@@ -3,8 +3,8 @@
 // host-side decisions repeat the previous step's is captured once and then replayed: the same kernels with
 // the same arguments, so the same values, without a host launch per kernel. What the host decides from the
 // microbatches forms the step's signature (step_signature); the inputs that change from step to step (token
-// ids, targets, loss mask, positions) are copied into fixed device buffers before every run, eager or
-// replayed, so a replay reads this step's data.
+// ids, targets, loss mask, positions, and the loss scale 1 / loss-bearing tokens) are copied into fixed
+// device buffers before every run, eager or replayed, so a replay reads this step's data.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -21,9 +21,8 @@ class Graph;
 
 // What decides the host side of a step's forward and backward: the number of microbatches; per microbatch
 // its token count, sequence count, longest sequence, sequence layout (cu_seqlens, which cuDNN's attention
-// reads on the host) and which inputs it has; and the loss scale (a kernel argument). Equal signatures
-// enqueue the same work on the same buffers.
-std::vector<int64_t> step_signature(const std::vector<Microbatch>& mbs, float loss_scale);
+// reads on the host) and which inputs it has. Equal signatures enqueue the same work on the same buffers.
+std::vector<int64_t> step_signature(const std::vector<Microbatch>& mbs);
 
 class StepGraph {
  public:
@@ -34,11 +33,12 @@ class StepGraph {
   StepGraph(const StepGraph&) = delete;
   StepGraph& operator=(const StepGraph&) = delete;
 
-  // Runs work(device_mbs) once on the GPU, device_mbs being `mbs` with their per-token inputs in this
-  // object's device buffers: replayed when the signature is the captured one; captured, then replayed, when
-  // it equals the previous step's (caches warm, buffers at their addresses) and has not failed to capture
-  // before; else eagerly. The work must free what it allocates and leave results only in buffers that
-  // outlive it (gradients, the engine's loss sum). Returns whether the step was replayed.
+  // Runs work(device_mbs) once on the GPU, device_mbs being `mbs` with their per-token inputs and
+  // `loss_scale` (as Microbatch::loss_scale) in this object's device buffers: replayed when the signature is
+  // the captured one; captured, then replayed, when it equals the previous step's (caches warm, buffers at
+  // their addresses) and has not failed to capture before; else eagerly. The work must free what it allocates
+  // and leave results only in buffers that outlive it (gradients, the engine's loss sum). Returns whether the
+  // step was replayed.
   bool run(const std::vector<Microbatch>& mbs, float loss_scale,
            const std::function<void(const std::vector<Microbatch>&)>& work);
 
@@ -51,10 +51,11 @@ class StepGraph {
 
  private:
   struct Inputs;
-  std::vector<Microbatch> upload(const std::vector<Microbatch>& mbs);
+  std::vector<Microbatch> upload(const std::vector<Microbatch>& mbs, float loss_scale);
 
   bool seqlens_on_host_;
   std::vector<Inputs> bufs_;  // one per microbatch slot
+  Tensor scale_;              // (1) f32: the step's loss scale
   std::unique_ptr<cuda::Graph> graph_;
   std::vector<int64_t> graph_sig_, prev_sig_;
   std::vector<std::vector<int64_t>> failed_;

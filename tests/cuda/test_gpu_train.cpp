@@ -109,8 +109,9 @@ TEST_P(GpuTrain, Bf16FollowsFp32) {
 
 // CUDA graphs (train.cuda_graphs, on by default) against launching every kernel from the host, 5 steps
 // with different data each. fp32 runs the built-in attention, which is bit-reproducible: a replay must give
-// the same bits. Unpacked, step 0 runs eagerly, step 1 is captured, every step from 1 on is replayed; packed
-// microbatches change their sequence layout from step to step, so those steps run eagerly.
+// the same bits. Unpacked, step 0 runs eagerly, step 1 is captured, every step from 1 on is replayed (also
+// when the loss-bearing token count, so the loss scale, changes: llama_padded); packed microbatches change
+// their sequence layout from step to step, so those steps run eagerly.
 TEST_P(GpuTrain, GraphReplayGivesEagerBits) {
   NDT_REQUIRE_GPU();
   const Case& c = GetParam();
@@ -183,6 +184,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"gpt2", "gpt2", {}}, Case{"llama", "llama", {}},
                       Case{"llama_packed", "llama", {"data.packing=true", "data.min_seq_len=8"}},
                       Case{"gpt2_packed", "gpt2", {"data.packing=true", "data.min_seq_len=8"}},
+                      // padded samples of 8..96 tokens: the loss-bearing token count changes every step
+                      Case{"llama_padded", "llama", {"data.min_seq_len=8"}},
                       // Qwen3: q/k norms, 2 heads of 128 on d_model 128 (H*D = 2C)
                       Case{"qwen3", "llama", {"model.head_dim=128", "model.qk_norm=true"}}),
     [](const auto& info) { return info.param.name; });

@@ -1,7 +1,8 @@
 // StepGraph's policy on real graphs (train/step_graph.h), with a small stand-in for a step: the work gathers
-// table rows by the microbatch's token ids into a buffer that outlives it. A replay must read each step's
-// own ids; a new shape runs eagerly, then is captured anew once it repeats; a work that uploads host data
-// inside the capture runs eagerly, is reported, and is not captured again.
+// table rows by the microbatch's token ids, and the loss gradient (scale * mask), into buffers that outlive
+// it. A replay must read each step's own ids and loss scale; a new shape runs eagerly, then is captured anew
+// once it repeats; a work that uploads host data inside the capture runs eagerly, is reported, and is not
+// captured again.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -39,6 +40,7 @@ TEST(StepGraph, ReplaysEachStepsInputsAndCapturesNewShapes) {
   for (int64_t i = 0; i < kV * kC; ++i) table.f32()[i] = static_cast<float>(i) * 0.25f;
   const Tensor dtable = table.to(Device::CUDA);
   Tensor out = Tensor::zeros({kMaxT, kC}, DType::F32, Device::CUDA);
+  Tensor dloss = Tensor::zeros({kMaxT}, DType::F32, Device::CUDA);
   bool upload_inside = false;
   const std::vector<Microbatch>* host = nullptr;  // this step's microbatches as given (ids on the host)
   auto work = [&](const std::vector<Microbatch>& dev) {
@@ -47,15 +49,21 @@ TEST(StepGraph, ReplaysEachStepsInputsAndCapturesNewShapes) {
     Tensor rows = out.rows(0, T);
     // A host tensor here is uploaded by the op: refused under capture.
     ops::embedding_forward(rows, upload_inside ? (*host)[0].tokens : dev[0].tokens, dtable, 0);
+    Tensor d = dloss.rows(0, T);
+    ops::fill_dloss(d, dev[0].loss_mask, dev[0].loss_scale);
   };
   StepGraph g(/*seqlens_on_host=*/true);
   int step = 0;
   auto check = [&](int64_t T, bool replayed, int64_t captures) {
-    const std::vector<Microbatch> mbs = batch(T, 100 + step++);
+    const std::vector<Microbatch> mbs = batch(T, 100 + step);
     host = &mbs;
-    EXPECT_EQ(g.run(mbs, 0.5f, work), replayed) << "step " << step - 1;
-    EXPECT_EQ(g.captures(), captures) << "step " << step - 1;
-    EXPECT_EQ(out.rows(0, T).to_vector<float>(), expected(table, mbs[0])) << "step " << step - 1;
+    const float scale = 1.0f / static_cast<float>(step + 2);
+    EXPECT_EQ(g.run(mbs, scale, work), replayed) << "step " << step;
+    EXPECT_EQ(g.captures(), captures) << "step " << step;
+    EXPECT_EQ(out.rows(0, T).to_vector<float>(), expected(table, mbs[0])) << "step " << step;
+    EXPECT_EQ(dloss.rows(0, T).to_vector<float>(), std::vector<float>(static_cast<size_t>(T), scale))
+        << "step " << step;
+    ++step;
   };
   check(12, false, 0);  // first step: eager
   check(12, true, 1);   // same shape: captured, replayed with this step's ids
