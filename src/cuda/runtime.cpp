@@ -167,7 +167,7 @@ bool capturing() {
 
 void release_cached_memory() {
   DeviceState& s = state();
-  NDT_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  sync_stream(s.stream);  // (the frees in flight complete first)
   NDT_CUDA_CHECK(cudaMemPoolTrimTo(s.pool, 0));
 }
 
