@@ -100,8 +100,6 @@ namespace cuda {
 class Graph {};  // (no graphs without the CUDA backend)
 }  // namespace cuda
 
-std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs, float) { return mbs; }
-
 bool StepGraph::run(const std::vector<Microbatch>& mbs, float,
                     const std::function<void(const std::vector<Microbatch>&)>& work) {
   work(mbs);

@@ -255,27 +255,29 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
 #endif
   const double t0_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  // A replayed step zeroes the gradients inside its graph.
+  const bool graphed = graph_ && !token_loss && !companion_ && !tracing && !profiling;
+  if (!graphed) {
+    phase_mark(engine_->params().device(), "zero grads");
+    engine_->params().zero_grad();
+    phase_mark(engine_->params().device(), "other");
+  }
+  if (companion_) {
+    NDT_CHECK(token_loss == nullptr, "post-training steps do not take a second module (multimodal) yet");
+    companion_->begin_step(step);  // phase 1: encoder forward, bridged to this rank's samples
+  }
+  engine_->begin_moe_step(static_cast<double>(counts[1]), static_cast<double>(counts[2]));
   double loss_sum = 0;
-  if (graph_ && !token_loss && !companion_ && !tracing && !profiling) {
-    engine_->begin_moe_step(static_cast<double>(counts[1]), static_cast<double>(counts[2]));
+  if (graphed) {
     graph_->run(mbs, scale, [&](const std::vector<Microbatch>& dev) {
       engine_->params().zero_grad();
       engine_->train(dev, scale, nullptr, t0_us, nullptr);
     });
-    engine_->end_moe_step();
     report_graph(step);
   } else {
-    phase_mark(engine_->params().device(), "zero grads");
-    engine_->params().zero_grad();
-    phase_mark(engine_->params().device(), "other");
-    if (companion_) {
-      NDT_CHECK(token_loss == nullptr, "post-training steps do not take a second module (multimodal) yet");
-      companion_->begin_step(step);  // phase 1: encoder forward, bridged to this rank's samples
-    }
-    engine_->begin_moe_step(static_cast<double>(counts[1]), static_cast<double>(counts[2]));
     loss_sum = engine_->train(mbs, scale, tracing ? &trace_ : nullptr, t0_us, token_loss);
-    engine_->end_moe_step();
   }
+  engine_->end_moe_step();
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (step > 0) {  // step 0 includes one-time allocation
     compute_s_ += engine_->last_compute_seconds();
