@@ -639,6 +639,7 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
     Tensor dfn = tp_->enter_backward(dhead_in);
     dx = act_zeros({Tl, C});
     norm_backward("final_norm", dx, dfn, acts.x_final, acts.fn_mean, acts.fn_rstd);
+    if (head_done_) head_done_();
     phase_mark(dx.device(), "other");
   } else {
     NDT_CHECK(dy.defined() && dy.size(0) == Tl, "stage output gradient must have {} rows", Tl);
@@ -665,7 +666,10 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
   }
   if (embeds_) embeds_->take_grad(mb, tok0, dx);
   Tensor dfull = tp_->exit_backward(dx);
-  ops::embedding_backward(p("embed.tokens.weight").grad, dfull, mb.tokens, vocab_start_);
+  if (embedding_grad_)
+    embedding_grad_->backward(p("embed.tokens.weight").grad, dfull, mb.tokens, vocab_start_);
+  else
+    ops::embedding_backward(p("embed.tokens.weight").grad, dfull, mb.tokens, vocab_start_);
   return Tensor();
 }
 

@@ -17,6 +17,7 @@
 #include "data/dataset.h"
 #include "model/cp_hooks.h"
 #include "model/embed_hooks.h"
+#include "model/embedding_grad_hook.h"
 #include "model/ep_hooks.h"
 #include "model/kv_hooks.h"
 #include "model/moe.h"
@@ -91,6 +92,12 @@ class Transformer {
   // Called by backward() with each layer index once that layer's backward has been enqueued (its
   // parameter gradients are then complete for this microbatch); null = none.
   void set_layer_done_hook(std::function<void(int64_t)> hook) { layer_done_ = std::move(hook); }
+  // Called by backward() on the last stage once the head's and the final norm's backward are enqueued
+  // (their gradients, and the tied embedding's head part, complete for this microbatch); null = none.
+  void set_head_done_hook(std::function<void()> hook) { head_done_ = std::move(hook); }
+  // The first stage's token-embedding table gradient goes through `hook` (not owned; null = this rank's
+  // rows by ops::embedding_backward).
+  void set_embedding_grad_hook(EmbeddingGradHook* hook) { embedding_grad_ = hook; }
   const ModelConfig& config() const { return cfg_; }
   const StageSpec& stage() const { return stage_; }
   int64_t local_vocab() const { return vocab_local_; }
@@ -173,6 +180,8 @@ class Transformer {
   EmbedHooks* embeds_ = nullptr;
   bool recompute_ = false;
   std::function<void(int64_t)> layer_done_;
+  std::function<void()> head_done_;
+  EmbeddingGradHook* embedding_grad_ = nullptr;
   ParamStore own_params_;
   ParamStore* ps_;
   int64_t heads_local_, kv_local_, ffn_local_, vocab_local_, vocab_start_;

@@ -145,6 +145,10 @@ struct ParallelConfig {
   // matmul.
   bool tp_comm_overlap = true;
   bool zero1 = false;
+  // The token-embedding table's gradient under DP: "gather" every replica's input-gradient rows and ids per
+  // microbatch and add them on each (parallel/dp/gathered_embedding_grad.h), "all_reduce" the table with the
+  // other gradients, or "auto": gather on GPUs for untied tables when that moves at most half the bytes.
+  std::string dp_embedding_grad = "auto";
   int64_t virtual_stages = 1;
   std::string schedule = "1f1b";
   std::string cp_attention = "ring";  // context parallel attention: "ring" (P2P) or "allgather"

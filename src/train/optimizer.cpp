@@ -99,12 +99,26 @@ bool Optimizer::overlaps_reduction() const {
 #endif
 }
 
-void Optimizer::reduce_early(int64_t begin, int64_t end) {
-  NDT_CHECK(overlaps_reduction() && begin >= 0 && begin < end && end <= regions_.front().end &&
-                regions_.front().dp == c_.dp,
-            "reduce_early [{}, {}): needs DP over NCCL and a range of the dense flat region", begin, end);
-#ifdef NDT_HAVE_NCCL
+bool Optimizer::can_reduce_early() const {
+  return overlaps_reduction() ||
+         (active(c_.dp) && !regions_.empty() && regions_.front().dp == c_.dp && !regions_.front().zero);
+}
+
+void Optimizer::add_early_range(const char* what, int64_t begin, int64_t end) {
+  NDT_CHECK(can_reduce_early() && begin >= 0 && begin < end && end <= regions_.front().end,
+            "{} [{}, {}): needs DP over NCCL or plain DP, and a range of the dense flat region", what, begin, end);
   early_ranges_.emplace_back(begin, end);
+}
+
+void Optimizer::reduce_early(int64_t begin, int64_t end) {
+  add_early_range("reduce_early", begin, end);
+  if (!overlaps_reduction()) {  // plain DP over MPI (or NCCL on host buffers): at once, in buckets
+    float* g = params_.flat_grads().f32();
+    for (int64_t b = begin; b < end; b += kBucketElems)
+      c_.dp->all_reduce(g + b, std::min(kBucketElems, end - b), DType::F32, ReduceOp::Sum);
+    return;
+  }
+#ifdef NDT_HAVE_NCCL
   if (regions_.front().zero) {
     reduce_to_owners(regions_.front(), begin, end);
     return;
@@ -114,6 +128,8 @@ void Optimizer::reduce_early(int64_t begin, int64_t end) {
   early_waits_.push_back([h] { h->wait(); });
 #endif
 }
+
+void Optimizer::mark_reduced(int64_t begin, int64_t end) { add_early_range("mark_reduced", begin, end); }
 
 void Optimizer::reduce_to_owners(Region& r, int64_t b, int64_t e) {
 #ifdef NDT_HAVE_NCCL

@@ -60,8 +60,15 @@ class Optimizer {
   // reduce_and_clip waits for those and reduces only the rest. Plain DP all-reduces the range; ZeRO-1
   // reduces each part of it to the rank that owns that part (NCCL reduce, in place in the flat gradients,
   // which then hold the owned part's reduced gradient: no separate shard buffer).
+  // can_reduce_early: reduce_early may be called. Beyond overlaps_reduction(), plain DP on any backend,
+  // where it reduces the range at once (blocking): the gathered embedding gradient needs the table's
+  // earlier gradient reduced before it adds the group's rows (parallel/dp/gathered_embedding_grad.h).
   bool overlaps_reduction() const;
+  bool can_reduce_early() const;
   void reduce_early(int64_t begin, int64_t end);
+  // [begin, end) of the dense region holds its reduced gradient already (the gathered untied embedding
+  // table): reduce_grads leaves it out. Same condition as reduce_early.
+  void mark_reduced(int64_t begin, int64_t end);
   // Step 4 with learning rate lr.
   void step(double lr);
   int64_t steps_taken() const { return step_; }
@@ -99,6 +106,9 @@ class Optimizer {
     float* grad(ParamStore& ps) const;  // reduced gradient of the owned part
     int64_t owner_begin(int q) const { return begin + (end - begin) / dp->size() * q; }
   };
+  // Checks [begin, end) (a range of the dense region, early reduction possible) and records it as reduced
+  // before reduce_grads.
+  void add_early_range(const char* what, int64_t begin, int64_t end);
   // ZeRO-1 in place: reduces [b, e) of region r to the owners of its parts (asynchronous; appended to
   // early_waits_).
   void reduce_to_owners(Region& r, int64_t b, int64_t e);

@@ -114,9 +114,15 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   oc.zero1 = cfg_.parallel.zero1;
   opt_ = std::make_unique<Optimizer>(engine_->params(), cfg_.train, oc);
   // On GPUs each layer's DP all-reduce starts as soon as its gradients are final, under the backward
-  // of the layers before it.
-  if (opt_->overlaps_reduction())
-    engine_->set_grads_ready_hook([this](int64_t b, int64_t e) { opt_->reduce_early(b, e); });
+  // of the layers before it. The gathered embedding gradient needs the same reports (blocking reductions
+  // on other backends).
+  setup_embedding_grad();
+  if (opt_->overlaps_reduction() || embedding_grad_) {
+    engine_->set_grads_ready_hook([this](int64_t b, int64_t e, bool reduced) {
+      reduced ? opt_->mark_reduced(b, e) : opt_->reduce_early(b, e);
+    });
+  }
+  if (embedding_grad_) engine_->set_embedding_grad_hook(embedding_grad_.get());
 #ifdef NDT_HAVE_CUDA
   // One process on one GPU, dense: the forward and backward enqueue nothing that depends on other ranks or
   // on values read back (MoE routes on the host), so they can be replayed from a graph. NDT_CUDA_GRAPHS=0
@@ -129,6 +135,38 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
     graph_ = std::make_unique<StepGraph>(/*seqlens_on_host=*/cudnn);
   }
 #endif
+}
+
+void Trainer::setup_embedding_grad() {
+  const std::string& mode = cfg_.parallel.dp_embedding_grad;
+  if (c_.grad->size() == 1 || mode == "all_reduce") return;
+  std::string why;  // why this layout cannot gather (the same on every rank)
+  if (!opt_->can_reduce_early())
+    why = "ZeRO-1 reduce-scatters the gradients after the backward on this backend (CPU)";
+  else if (cfg_.model.tied() && c_.pp->size() > 1)  // (every rank decides alike, not only the table's)
+    why = "the table is tied to the output head of another pipeline stage";
+  if (!why.empty()) {
+    if (mode == "gather")
+      throw AgreedError(fmt::format("parallel.dp_embedding_grad = gather: {}; use auto or all_reduce", why));
+    return;
+  }
+  if (mode == "auto") {
+    // Measured (docs/performance.md, 2026-11-27): a tied table gains nothing (its head part is reduced
+    // anyway, only earlier, and the compute beside it slows as much), an untied one loses its reduction.
+    const ModelConfig& m = cfg_.model;
+    if (!opt_->overlaps_reduction() || m.tied()) return;  // (on the CPU there is no overlap to gain)
+    const int64_t budget = cfg_.data.packing && cfg_.data.pack_tokens > 0
+                               ? cfg_.data.pack_tokens
+                               : rows_per_microbatch() * cfg_.data.seq_len;
+    const int64_t rows = (budget + c_.cp->size() - 1) / c_.cp->size();
+    const int64_t per_rank = cfg_.train.global_batch / c_.dp->size(), mbs = rows_per_microbatch();
+    const int64_t microbatches = std::max<int64_t>(1, (per_rank + mbs - 1) / mbs);
+    const int64_t dx_bytes = engine_->params().compute_dtype() == DType::BF16 ? 2 : 4;
+    if (!gather_beats_all_reduce(c_.grad->size(), microbatches, rows, m.vocab_size / c_.tp->size(), m.d_model,
+                                 dx_bytes))
+      return;
+  }
+  embedding_grad_ = std::make_unique<GatheredEmbeddingGrad>(*c_.grad);
 }
 
 void Trainer::set_companion(StepCompanion* c) {
@@ -245,6 +283,12 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   // (the same as summing each CP shard's count over DP x CP).
   c_.dp->all_reduce(counts, 3, DType::I64, ReduceOp::Sum);
   const int64_t n_tokens = counts[0];
+  if (embedding_grad_) {  // rows every replica sends: the longest microbatch of the group, per CP rank
+    int64_t rows = 0;
+    for (const auto& mb : mbs) rows = std::max(rows, mb.num_tokens());
+    c_.dp->all_reduce(&rows, 1, DType::I64, ReduceOp::Max);
+    embedding_grad_->set_capacity((rows + c_.cp->size() - 1) / c_.cp->size());
+  }
   NDT_CHECK(n_tokens > 0, "step {}: the global batch has no loss-bearing tokens", step);
   const float scale = 1.0f / static_cast<float>(n_tokens);
 

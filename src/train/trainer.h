@@ -15,6 +15,7 @@
 #include "data/packing.h"
 #include "dist/communicator.h"
 #include "model/transformer.h"
+#include "parallel/dp/gathered_embedding_grad.h"
 #include "parallel/pp/pipeline.h"
 #include "train/companion.h"
 #include "train/config.h"
@@ -148,6 +149,8 @@ class Trainer {
   void report_pipeline(bool logger);
   // Prints (this run has one rank) a graph capture of this step, or why it failed (once per reason).
   void report_graph(int64_t step);
+  // parallel.dp_embedding_grad: makes embedding_grad_ when the table's gradient is to be gathered.
+  void setup_embedding_grad();
   // The non-finite check of a step (docs/reliability.md), collective over the world: every rank gets the
   // same answer, empty when the loss and the reduced gradients are finite, else a message naming
   // the first parameter (registration order) with a non-finite gradient and the ranks that saw it.
@@ -174,7 +177,8 @@ class Trainer {
   std::function<void(int64_t)> grads_hook_;
   std::vector<Fault> faults_;         // debug.fault / NDT_FAULT (train/fault.h)
   std::unique_ptr<StepGraph> graph_;  // train.cuda_graphs on a layout that allows them (else null)
-  std::string graph_failure_told_;    // the capture failure already printed
+  std::unique_ptr<GatheredEmbeddingGrad> embedding_grad_;  // DP: the table's gradient gathered (else null)
+  std::string graph_failure_told_;                         // the capture failure already printed
   int64_t skipped_steps_ = 0, consecutive_skips_ = 0;
 };
 

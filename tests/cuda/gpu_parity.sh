@@ -45,6 +45,11 @@ rows=(
   "tp2_sp_packed         2      parallel.tp=2 parallel.sequence_parallel=true ${packed[*]}"
   "pp2_packed            2      parallel.pp=2 train.micro_batch=2 ${packed[*]}"
   "dp2_zero1_packed      2      parallel.dp=2 parallel.zero1=true ${packed[*]}"
+  # The embedding table's gradient gathered (parallel.dp_embedding_grad; "auto" keeps the all-reduce for
+  # these small vocabularies): plain, ZeRO-1 reducing to owners, packed, untied under a pipeline.
+  "dp2_embgather         2      parallel.dp=2 parallel.dp_embedding_grad=gather train.micro_batch=2"
+  "dp2_zero1_embgather_packed 2 parallel.dp=2 parallel.zero1=true parallel.dp_embedding_grad=gather ${packed[*]}"
+  "pp2_dp2_untied_embgather 4   parallel.pp=2 parallel.dp=2 parallel.dp_embedding_grad=gather model.tie_embeddings=0 train.micro_batch=2"
   "dp2_tp2               4      parallel.dp=2 parallel.tp=2"
   "tp2_cp2_packed        4      parallel.tp=2 parallel.cp=2 ${packed[*]}"
   "pp2_cp2_packed        4      parallel.pp=2 parallel.cp=2 train.micro_batch=2 ${packed[*]}"

@@ -16,8 +16,11 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
+#include "cuda/runtime.h"
 #include "dist/communicator.h"
 #include "dist/nccl_communicator.h"
+#include "ops/ops.h"
+#include "parallel/dp/gathered_embedding_grad.h"
 
 namespace ndt {
 namespace {
@@ -485,6 +488,48 @@ TEST_F(Nccl, StreamContractBlockingAndAsync) {
   n->set_compute_stream(0);
   NDT_CUDA_CHECK(cudaFreeHost(pinned));
   NDT_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+// DP's gathered embedding gradient over NCCL as the trainer runs it: bf16 rows on the device, ids on the
+// host, a vocabulary shard, lengths that differ per rank, frequent ids. Every rank must end with the host sum
+// of all ranks' rows (small integers: exact in bf16 and in any fp32 order).
+TEST_F(Nccl, GatheredEmbeddingGradAddsEveryRanksRows) {
+  const int64_t V = 50, C = 40, start = 10;
+  auto tokens_of = [](int q) { return int64_t{300} + 37 * q; };
+  auto data_of = [&](int q, std::vector<int32_t>& ids, std::vector<float>& rows) {
+    std::mt19937 g(static_cast<uint32_t>(900 + q));
+    std::uniform_int_distribution<int> id(0, 69), val(-8, 8), hot(0, 3);
+    ids.clear();
+    rows.clear();
+    for (int64_t t = 0; t < tokens_of(q); ++t) {
+      ids.push_back(hot(g) == 0 ? 17 : id(g));  // id 17 on a quarter of the tokens (runs across chunks)
+      for (int64_t c = 0; c < C; ++c) rows.push_back(static_cast<float>(val(g)));
+    }
+  };
+  std::vector<int32_t> ids;
+  std::vector<float> rows;
+  data_of(rank, ids, rows);
+  std::vector<float> table(V * C);
+  for (int64_t i = 0; i < V * C; ++i) table[i] = static_cast<float>(i % 7);
+  Tensor dtable = Tensor::from_vector(table, {V, C}).to(Device::CUDA);
+  const Tensor dx_f32 = Tensor::from_vector(rows, {tokens_of(rank), C}).to(Device::CUDA);
+  Tensor dx = Tensor::empty({tokens_of(rank), C}, DType::BF16, Device::CUDA);
+  ops::cast_into(dx, dx_f32);
+  as_nccl(nc)->set_compute_stream(cuda::stream());  // where the ops run (an earlier test may change it)
+  GatheredEmbeddingGrad gather(*nc);
+  gather.set_capacity(tokens_of(size - 1));
+  gather.backward(dtable, dx, Tensor::from_vector(ids, {tokens_of(rank)}), start);
+  gather.finish();
+  std::vector<float> expect = table;
+  for (int q = 0; q < size; ++q) {
+    data_of(q, ids, rows);
+    for (int64_t t = 0; t < tokens_of(q); ++t) {
+      const int64_t row = ids[t] - start;
+      if (row < 0 || row >= V) continue;
+      for (int64_t c = 0; c < C; ++c) expect[row * C + c] += rows[t * C + c];
+    }
+  }
+  EXPECT_EQ(dtable.to_vector<float>(), expect);
 }
 
 }  // namespace

@@ -91,8 +91,10 @@ void check(const std::string& style, int v, const std::string& schedule, int m) 
 }
 
 // The ranges the engine hands to the DP overlap (Optimizer::reduce_early, CUDA + NCCL only) as each
-// layer's gradients become final: dense parameters only, disjoint. A MoE stage's experts sit in the store's
-// expert region right after its last layer's dense weights; a range spanning both broke pp2 x ep2 on GPUs.
+// layer's gradients become final, and the head's (final norm and output matrix, one range) on the last
+// stage: dense parameters only, disjoint, none marked as reduced already. A MoE stage's experts sit in the
+// store's expert region right after its last layer's dense weights; a range spanning both broke pp2 x ep2 on
+// GPUs.
 TEST(PipelineEngine, GradsReadyRangesAreDenseOnly) {
   auto world = make_mpi_world();
   Config cfg = tiny("llama", world->size(), 1, "1f1b");
@@ -101,7 +103,11 @@ TEST(PipelineEngine, GradsReadyRangesAreDenseOnly) {
   engine.params().init(3);
   engine.params().flatten();  // as the trainer does: dense region, then the expert region
   std::vector<std::pair<int64_t, int64_t>> ranges;
-  engine.set_grads_ready_hook([&](int64_t b, int64_t e) { ranges.emplace_back(b, e); });
+  int reduced = 0;
+  engine.set_grads_ready_hook([&](int64_t b, int64_t e, bool r) {
+    ranges.emplace_back(b, e);
+    reduced += r ? 1 : 0;
+  });
   const std::vector<Microbatch> mbs = uneven_microbatches(2);
   int64_t n_tokens = 0;
   for (auto& mb : mbs) n_tokens += mb.num_loss_tokens;
@@ -109,7 +115,9 @@ TEST(PipelineEngine, GradsReadyRangesAreDenseOnly) {
   engine.train(mbs, 1.0f / static_cast<float>(n_tokens));
   engine.end_moe_step();
   ASSERT_GT(engine.params().expert_begin(), 0);
-  EXPECT_EQ(ranges.size(), static_cast<size_t>(cfg.model.n_layers / world->size()));
+  const bool head = world->rank() == world->size() - 1;
+  EXPECT_EQ(ranges.size(), static_cast<size_t>(cfg.model.n_layers / world->size() + (head ? 1 : 0)));
+  EXPECT_EQ(reduced, 0);
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 0; i < ranges.size(); ++i) {
     EXPECT_LT(ranges[i].first, ranges[i].second);

@@ -1,5 +1,6 @@
 #include "parallel/pp/pipeline.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <limits>
@@ -138,6 +139,27 @@ std::pair<int64_t, int64_t> PipelineEngine::layer_range(int64_t l) {
   return layer_ranges_[l] = r;
 }
 
+void PipelineEngine::report_ready(std::initializer_list<const char*> names, bool reduced) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const char* name : names)
+    if (const Param* p = store_.find(name); p != nullptr && !p->expert && p->numel() > 0)
+      ranges.emplace_back(store_.offset_of(*p), store_.offset_of(*p) + p->numel());
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 0; i < ranges.size();) {
+    auto [b, e] = ranges[i];
+    for (++i; i < ranges.size() && ranges[i].first == e; ++i) e = ranges[i].second;
+    grads_ready_(b, e, reduced);
+  }
+}
+
+void PipelineEngine::set_embedding_grad_hook(EmbeddingGradHook* hook) {
+  NDT_CHECK(
+      !hook || (!tied_ && grads_ready_),
+      "a gathered embedding gradient needs the grads-ready hook, and the table and the head it is tied to "
+      "on one pipeline stage");
+  embedding_grad_ = hook;
+}
+
 std::vector<std::pair<int64_t, MoeLayer*>> PipelineEngine::moe_layers() {
   std::vector<std::pair<int64_t, MoeLayer*>> out;
   for (auto& c : chunks_)
@@ -235,17 +257,36 @@ double PipelineEngine::train(const std::vector<Microbatch>& full_mbs, float loss
       } else {
         Tensor dy = is_last(a.chunk) ? Tensor() : dy_in.at(k);
         const bool last = grads_ready_ && last_backward[a.chunk] == i;
+        const StageSpec& sp = model.stage();
+        // Every microbatch's table gradient goes through the gathering hook; a tied table's (the head's
+        // part) is reduced after the last microbatch's head backward, an untied one needs no reduction.
+        const bool gathered = embedding_grad_ && sp.has_embedding;
+        const bool tied_here = cfg_.model.tied() && sp.has_head;
         if (last)
           model.set_layer_done_hook([this](int64_t l) {
             const auto [b, e] = layer_range(l);
-            if (e > b) grads_ready_(b, e);
+            if (e > b) grads_ready_(b, e, false);
           });
+        if (last && sp.has_head)
+          model.set_head_done_hook([this, gathered, tied_here] {
+            report_ready({"final_norm.weight", "final_norm.bias", "lm_head.weight"}, false);
+            if (gathered && tied_here) report_ready({"embed.tokens.weight"}, false);
+          });
+        if (gathered) model.set_embedding_grad_hook(embedding_grad_);
         auto seed = seeds.find(k);
         dx_out[k] =
             model.backward(mb, dy, loss_scale, acts.at(k), seed == seeds.end() ? nullptr : &seed->second);
         if (seed != seeds.end()) seeds.erase(seed);
         if (acts.at(k).loss_in_backward) model.add_loss_sum(loss_acc_, mb, acts.at(k));
-        if (last) model.set_layer_done_hook(nullptr);
+        model.set_embedding_grad_hook(nullptr);
+        if (last) {
+          model.set_layer_done_hook(nullptr);
+          model.set_head_done_hook(nullptr);
+          if (gathered) {
+            embedding_grad_->finish();
+            if (!tied_here) report_ready({"embed.tokens.weight"}, true);
+          }
+        }
         acts.erase(k);  // activations die with their backward (1F1B's memory bound)
         y_out.erase(k);
         dy_in.erase(k);

@@ -39,8 +39,20 @@ class PipelineEngine {
   Transformer& chunk(int c) { return *chunks_.at(static_cast<size_t>(c)); }
   int num_chunks() const { return static_cast<int>(chunks_.size()); }
   // Called during train() with [begin, end) of the flat gradient buffer as soon as a layer's gradients are
-  // final (after its last microbatch's backward), so DP reduction can start while backward continues.
-  void set_grads_ready_hook(std::function<void(int64_t, int64_t)> hook) { grads_ready_ = std::move(hook); }
+  // final (after its last microbatch's backward), so DP reduction can start while backward continues; the
+  // head's parameters (output matrix, final norm) once their last microbatch's head backward is done, before
+  // the layers' backward. reduced = true: the range needs no reduction (the gathered untied table below).
+  void set_grads_ready_hook(std::function<void(int64_t, int64_t, bool reduced)> hook) {
+    grads_ready_ = std::move(hook);
+  }
+  // The token-embedding table's gradient of every microbatch through `hook` (not owned; null = local), a hook
+  // that adds the rows of the whole group the grads-ready hook reduces over (parallel/dp/
+  // gathered_embedding_grad.h); its finish() runs after the embedding chunk's last backward. A tied table's
+  // range (the head's part) is reported for reduction after the last head backward, before the last gather;
+  // an untied table's is reported as reduced. Needs the grads-ready hook set first, gradients zero when
+  // train() starts (the trainer zeroes them every step), and no table tied across pipeline stages (its two
+  // copies are summed after the DP reduction).
+  void set_embedding_grad_hook(EmbeddingGradHook* hook);
   // Multimodal: the embedding stage's external input rows (not owned; null = none).
   void set_embed_hooks(EmbedHooks* h) {
     for (auto& c : chunks_) c->set_embed_hooks(c->stage().has_embedding ? h : nullptr);
@@ -103,6 +115,8 @@ class PipelineEngine {
   Tensor act_buffer(int64_t rows) const;
   // [begin, end) of layer l's parameters in the flat buffers ({0, 0} when they are not contiguous).
   std::pair<int64_t, int64_t> layer_range(int64_t l);
+  // Reports [begin, end) of the named parameters this rank holds to grads_ready_, adjacent ones merged.
+  void report_ready(std::initializer_list<const char*> names, bool reduced);
   // This CP rank's shard of a full microbatch (the microbatch itself without CP).
   Microbatch shard(const Microbatch& full) const;
   // Runs the stages in order with blocking send/recv; returns the last chunk's activations on the
@@ -118,7 +132,8 @@ class PipelineEngine {
   ParamStore store_;
   std::vector<std::unique_ptr<Transformer>> chunks_;
   std::unique_ptr<Communicator> tied_;
-  std::function<void(int64_t, int64_t)> grads_ready_;
+  std::function<void(int64_t, int64_t, bool)> grads_ready_;
+  EmbeddingGradHook* embedding_grad_ = nullptr;
   std::map<int64_t, std::pair<int64_t, int64_t>>
       layer_ranges_;  // pp ranks 0 and p-1, when embeddings are tied and p > 1
   bool peers_connected_ = false;

@@ -1,0 +1,58 @@
+#pragma once
+// The token-embedding table's gradient under data parallelism from gathered rows instead of an all-reduce.
+//
+// A microbatch's table gradient is a scatter-add of the first stage's input gradient rows dx (T, C) at the
+// token ids. Every replica gathers the others' rows and ids (T·C + T elements each) and runs the same
+// scatter-add over all of them, so every replica adds the group's sum without reducing the (V, C) table.
+// The 1B Llama (untied, 32000 x 2048) on 2 ranks gathers 2 x 8192 bf16 rows of 2048 per microbatch (67 MB)
+// where the table's all-reduce moves 262 MB in fp32.
+//
+// backward() only starts the gathers (on NCCL the compute stream does not wait); finish() waits for them
+// and adds every microbatch's rows in microbatch order. The caller's contract (PipelineEngine): every
+// microbatch's table gradient goes through here; an untied table then needs no reduction at all; a table
+// tied to the output head still has the head's part reduced, through the same communicator before the last
+// microbatch's gather, so that on NCCL that reduction has finished when finish() (ordered after the last
+// gather on the communicator's stream) adds the rows, and over MPI everything is blocking. Every replica
+// adds the same rows in the same order (replica by replica, tokens in order, summed per id in sorted order
+// on the GPU), so the replicas hold the same bits.
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "model/embedding_grad_hook.h"
+
+namespace ndt {
+
+class GatheredEmbeddingGrad final : public EmbeddingGradHook {
+ public:
+  // dp: the group the table's gradient is reduced over (DP x CP); not owned.
+  explicit GatheredEmbeddingGrad(Communicator& dp) : dp_(dp) {}
+  ~GatheredEmbeddingGrad() override;
+  // Rows each replica sends per microbatch: at least the largest T any replica passes (shorter microbatches
+  // are padded with ids that add nothing). The same on every replica.
+  void set_capacity(int64_t rows) { capacity_ = rows; }
+  int64_t capacity() const { return capacity_; }
+  // Collective over dp (every replica calls it once per microbatch, in the same order as its other
+  // collectives). dtable, dx and ids are kept until finish().
+  void backward(Tensor& dtable, const Tensor& dx, const Tensor& ids, int64_t vocab_start) override;
+  void finish() override;
+
+ private:
+  struct Pending {
+    Tensor dtable, send_rows, send_ids, rows, ids;  // the sends stay alive until the gather is waited for
+    int64_t vocab_start = 0;
+    std::unique_ptr<CommHandle> rows_done, ids_done;
+  };
+  Communicator& dp_;
+  int64_t capacity_ = 0;
+  std::vector<Pending> pending_;
+};
+
+// Whether gathering m microbatches of `rows` tokens per replica over a group of n moves at most half the
+// bytes of all-reducing the table: received n·m·rows·(C·dx_bytes + 4) against 2(n - 1)/n·V·C·4 (compared as
+// n·m·rows·(C·dx_bytes + 4) <= V·C·4, the same up to the factor (n - 1)/n both sides share).
+bool gather_beats_all_reduce(int64_t n, int64_t m, int64_t rows, int64_t vocab_local, int64_t channels,
+                             int64_t dx_bytes);
+
+}  // namespace ndt
