@@ -6,7 +6,7 @@
 #          all-gather attention); strong scaling: "of GPUs x 1 GPU" is tokens/s over GPUs x one GPU's
 #   llama  configs/llama-1b.yaml, 8 x 2048 tokens per model replica: 1 GPU, tp2 + SP (with and without
 #          parallel.tp_comm_overlap), pp2 (8 microbatches
-#          of 1, 1F1B), dp2, and on 4 GPUs tp2 + SP x dp2, pp2 x dp2, dp4; efficiency = tokens/s against
+#          of 1, 1F1B), dp2 (and dp2 with the embedding table all-reduced, parallel.dp_embedding_grad), and on 4 GPUs tp2 + SP x dp2, pp2 x dp2, dp4; efficiency = tokens/s against
 #          (GPUs x the 1-GPU run); the pipeline rows add the measured and theoretical bubble
 #   moe    configs/moe-1b.yaml, 8 x 2048 tokens per GPU (weak scaling): 1 GPU, ep2 (dp2), ep4 (dp4); then
 #          NDT_CUDA_PROFILE phases of 1 GPU and ep2 (the dispatch/combine phase holds the all-to-alls)
@@ -92,6 +92,8 @@ if [[ " $sections " == *" llama "* ]]; then
     parallel.tp_comm_overlap=false train.micro_batch=4 train.global_batch=8 && row tp2_sp_no_overlap 2 16384
   run llama_pp2 2 "${L[@]}" parallel.pp=2 train.micro_batch=1 train.global_batch=8 && row pp2_m8 2 16384
   run llama_dp2 2 "${L[@]}" parallel.dp=2 train.micro_batch=4 train.global_batch=16 && row dp2 2 32768
+  run llama_dp2_table_all_reduce 2 "${L[@]}" parallel.dp=2 parallel.dp_embedding_grad=all_reduce \
+    train.micro_batch=4 train.global_batch=16 && row dp2_table_all_reduce 2 32768
   run llama_tp2_sp_dp2 4 "${L[@]}" parallel.tp=2 parallel.dp=2 parallel.sequence_parallel=true \
     train.micro_batch=4 train.global_batch=16 && row tp2_sp_dp2 4 32768
   run llama_pp2_dp2 4 "${L[@]}" parallel.pp=2 parallel.dp=2 train.micro_batch=1 train.global_batch=16 &&
