@@ -283,11 +283,19 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   // (the same as summing each CP shard's count over DP x CP).
   c_.dp->all_reduce(counts, 3, DType::I64, ReduceOp::Sum);
   const int64_t n_tokens = counts[0];
-  if (embedding_grad_) {  // rows every replica sends: the longest microbatch of the group, per CP rank
-    int64_t rows = 0;
-    for (const auto& mb : mbs) rows = std::max(rows, mb.num_tokens());
-    c_.dp->all_reduce(&rows, 1, DType::I64, ReduceOp::Max);
-    embedding_grad_->set_capacity((rows + c_.cp->size() - 1) / c_.cp->size());
+  if (embedding_grad_) {
+    // The gathers' plan, agreed over DP (each CP rank holds 1/cp of every microbatch): one per microbatch
+    // when every replica runs as many, sized by the longest microbatch; else one, sized by the largest sum.
+    const int64_t m = static_cast<int64_t>(mbs.size());
+    int64_t plan[4] = {m, -m, 0, 0};  // max count, -min count, longest microbatch, largest sum
+    for (const auto& mb : mbs) {
+      plan[2] = std::max(plan[2], mb.num_tokens());
+      plan[3] += mb.num_tokens();
+    }
+    c_.dp->all_reduce(plan, 4, DType::I64, ReduceOp::Max);
+    const bool per_microbatch = plan[0] == -plan[1];
+    const int64_t cp = c_.cp->size();
+    embedding_grad_->set_step(((per_microbatch ? plan[2] : plan[3]) + cp - 1) / cp, per_microbatch);
   }
   NDT_CHECK(n_tokens > 0, "step {}: the global batch has no loss-bearing tokens", step);
   const float scale = 1.0f / static_cast<float>(n_tokens);

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -517,18 +518,31 @@ TEST_F(Nccl, GatheredEmbeddingGradAddsEveryRanksRows) {
   ops::cast_into(dx, dx_f32);
   as_nccl(nc)->set_compute_stream(cuda::stream());  // where the ops run (an earlier test may change it)
   GatheredEmbeddingGrad gather(*nc);
-  gather.set_capacity(tokens_of(size - 1));
+  gather.set_step(tokens_of(size - 1), /*per_microbatch=*/true);
   gather.backward(dtable, dx, Tensor::from_vector(ids, {tokens_of(rank)}), start);
   gather.finish();
   std::vector<float> expect = table;
-  for (int q = 0; q < size; ++q) {
+  auto add_rank = [&](int q) {
     data_of(q, ids, rows);
     for (int64_t t = 0; t < tokens_of(q); ++t) {
       const int64_t row = ids[t] - start;
       if (row < 0 || row >= V) continue;
       for (int64_t c = 0; c < C; ++c) expect[row * C + c] += rows[t * C + c];
     }
-  }
+  };
+  for (int q = 0; q < size; ++q) add_rank(q);
+  EXPECT_EQ(dtable.to_vector<float>(), expect);
+  // Replica r runs 1 + r microbatches (the same rows each time): one gather in finish(), sized by the largest
+  // sum; each replica's rows then count 1 + r times.
+  int64_t largest = 0;
+  for (int q = 0; q < size; ++q) largest = std::max(largest, (1 + q) * tokens_of(q));
+  gather.set_step(largest, /*per_microbatch=*/false);
+  data_of(rank, ids, rows);
+  const Tensor host_ids = Tensor::from_vector(ids, {tokens_of(rank)});
+  for (int j = 0; j <= rank; ++j) gather.backward(dtable, dx, host_ids, start);
+  gather.finish();
+  for (int q = 0; q < size; ++q)
+    for (int j = 0; j <= q; ++j) add_rank(q);
   EXPECT_EQ(dtable.to_vector<float>(), expect);
 }
 

@@ -5,6 +5,7 @@
 // ASSERT before a collective.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "dist/communicator.h"
@@ -44,7 +45,7 @@ TEST_F(GatheredEmbeddingGradTest, EveryReplicaAddsTheGroupsRowsAtFinish) {
   const int P = world->size(), r = world->rank();
   constexpr int kMicrobatches = 2;
   GatheredEmbeddingGrad g(*world);
-  g.set_capacity(tokens_of(P - 1, kMicrobatches - 1));  // the longest microbatch of any replica
+  g.set_step(tokens_of(P - 1, kMicrobatches - 1), /*per_microbatch=*/true);  // the longest of any replica
   std::vector<float> start(kV * kC);
   for (int64_t i = 0; i < kV * kC; ++i) start[i] = static_cast<float>(i % 5);  // accumulated into (+=)
   Tensor dtable = Tensor::from_vector(start, {kV, kC});
@@ -72,9 +73,43 @@ TEST_F(GatheredEmbeddingGradTest, EveryReplicaAddsTheGroupsRowsAtFinish) {
   EXPECT_EQ(dtable.to_vector<float>(), expect);
 }
 
+// Replicas with different microbatch counts (rank r runs 1 + r): one gather in finish(), of every replica's
+// rows back to back, sized by the largest sum.
+TEST_F(GatheredEmbeddingGradTest, OneGatherWhenMicrobatchCountsDiffer) {
+  const int P = world->size(), r = world->rank();
+  auto count = [](int q) { return 1 + q; };
+  int64_t largest = 0;
+  for (int q = 0; q < P; ++q) {
+    int64_t sum = 0;
+    for (int j = 0; j < count(q); ++j) sum += tokens_of(q, j);
+    largest = std::max(largest, sum);
+  }
+  GatheredEmbeddingGrad g(*world);
+  g.set_step(largest, /*per_microbatch=*/false);
+  Tensor dtable = Tensor::zeros({kV, kC});
+  for (int j = 0; j < count(r); ++j) {
+    const Tensor ids = Tensor::from_vector(ids_of(r, j), {tokens_of(r, j)});
+    const Tensor dx = Tensor::from_vector(rows_of(r, j), {tokens_of(r, j), kC});
+    g.backward(dtable, dx, ids, kStart);
+  }
+  g.finish();
+  std::vector<float> expect(kV * kC, 0.0f);
+  for (int q = 0; q < P; ++q)
+    for (int j = 0; j < count(q); ++j) {
+      const std::vector<int32_t> qi = ids_of(q, j);
+      const std::vector<float> qx = rows_of(q, j);
+      for (int64_t t = 0; t < tokens_of(q, j); ++t) {
+        const int64_t row = qi[t] - kStart;
+        if (row < 0 || row >= kV) continue;
+        for (int64_t c = 0; c < kC; ++c) expect[row * kC + c] += qx[t * kC + c];
+      }
+    }
+  EXPECT_EQ(dtable.to_vector<float>(), expect);
+}
+
 TEST_F(GatheredEmbeddingGradTest, RefusesRowsBeyondTheCapacity) {
   GatheredEmbeddingGrad g(*world);
-  g.set_capacity(tokens_of(0) - 1);  // every rank is over: each refuses before any collective
+  g.set_step(tokens_of(0) - 1, true);  // every rank is over: each refuses before any collective
   Tensor dtable = Tensor::zeros({kV, kC});
   const int r = world->rank();
   const Tensor ids = Tensor::from_vector(ids_of(r), {tokens_of(r)});

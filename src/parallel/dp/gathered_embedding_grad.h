@@ -7,8 +7,11 @@
 // The 1B Llama (untied, 32000 x 2048) on 2 ranks gathers 2 x 8192 bf16 rows of 2048 per microbatch (67 MB)
 // where the table's all-reduce moves 262 MB in fp32.
 //
-// backward() only starts the gathers (on NCCL the compute stream does not wait); finish() waits for them
-// and adds every microbatch's rows in microbatch order. The caller's contract (PipelineEngine): every
+// When every replica runs the same number of microbatches, backward() starts one gather per microbatch (on
+// NCCL the compute stream does not wait) and finish() waits for them and adds every microbatch's rows in
+// microbatch order. When the counts differ (packed data, post-training blocks), per-microbatch gathers would
+// not line up with the other replicas' collectives, so backward() only keeps the rows and finish() gathers
+// all of them at once. The caller's contract (PipelineEngine): every
 // microbatch's table gradient goes through here; an untied table then needs no reduction at all; a table
 // tied to the output head still has the head's part reduced, through the same communicator before the last
 // microbatch's gather, so that on NCCL that reduction has finished when finish() (ordered after the last
@@ -29,13 +32,18 @@ class GatheredEmbeddingGrad final : public EmbeddingGradHook {
   // dp: the group the table's gradient is reduced over (DP x CP); not owned.
   explicit GatheredEmbeddingGrad(Communicator& dp) : dp_(dp) {}
   ~GatheredEmbeddingGrad() override;
-  // Rows each replica sends per microbatch: at least the largest T any replica passes (shorter microbatches
-  // are padded with ids that add nothing). The same on every replica.
-  void set_capacity(int64_t rows) { capacity_ = rows; }
-  int64_t capacity() const { return capacity_; }
-  // Collective over dp (every replica calls it once per microbatch, in the same order as its other
-  // collectives). dtable, dx and ids are kept until finish().
+  // The next step's plan, the same on every replica: per_microbatch (every replica runs the same number of
+  // microbatches) or one gather in finish(); `rows` each replica sends per gather, at least the largest
+  // local microbatch (per microbatch) or the largest local sum of the step's microbatches (one gather);
+  // shorter ones are padded with ids that add nothing.
+  void set_step(int64_t rows, bool per_microbatch) {
+    capacity_ = rows;
+    per_microbatch_ = per_microbatch;
+  }
+  // Per microbatch: collective over dp (once per microbatch, in the same order as the other collectives on
+  // every replica); else local. dtable, dx and ids are kept until finish().
   void backward(Tensor& dtable, const Tensor& dx, const Tensor& ids, int64_t vocab_start) override;
+  // Collective over dp when not per microbatch (every replica calls it once, after its last backward).
   void finish() override;
 
  private:
@@ -44,9 +52,18 @@ class GatheredEmbeddingGrad final : public EmbeddingGradHook {
     int64_t vocab_start = 0;
     std::unique_ptr<CommHandle> rows_done, ids_done;
   };
+  struct Kept {  // a microbatch's rows waiting for the step's one gather
+    Tensor dtable, dx;
+    std::vector<int32_t> ids;
+    int64_t vocab_start = 0;
+  };
+  // Starts the gather of `rows` (T <= capacity_, C) with their ids (T) padded to capacity_.
+  void start_gather(Tensor& dtable, const Tensor& rows, const std::vector<int32_t>& ids, int64_t vocab_start);
   Communicator& dp_;
   int64_t capacity_ = 0;
+  bool per_microbatch_ = true;
   std::vector<Pending> pending_;
+  std::vector<Kept> kept_;
 };
 
 // Whether gathering m microbatches of `rows` tokens per replica over a group of n moves at most half the
