@@ -152,7 +152,8 @@ void Trainer::setup_embedding_grad() {
   }
   if (mode == "auto") {
     // Measured (docs/performance.md, 2026-11-27): a tied table gains nothing (its head part is reduced
-    // anyway, only earlier, and the compute beside it slows as much), an untied one loses its reduction.
+    // anyway, only earlier, and the compute beside it slows as much), an untied one loses its reduction,
+    // which pays where the gathers move at most half its bytes.
     const ModelConfig& m = cfg_.model;
     if (!opt_->overlaps_reduction() || m.tied()) return;  // (on the CPU there is no overlap to gain)
     const int64_t budget = cfg_.data.packing && cfg_.data.pack_tokens > 0
@@ -162,8 +163,8 @@ void Trainer::setup_embedding_grad() {
     const int64_t per_rank = cfg_.train.global_batch / c_.dp->size(), mbs = rows_per_microbatch();
     const int64_t microbatches = std::max<int64_t>(1, (per_rank + mbs - 1) / mbs);
     const int64_t dx_bytes = engine_->params().compute_dtype() == DType::BF16 ? 2 : 4;
-    if (!gather_beats_all_reduce(c_.grad->size(), microbatches, rows, m.vocab_size / c_.tp->size(), m.d_model,
-                                 dx_bytes))
+    if (!gather_beats_reduction(c_.grad->size(), microbatches, rows, m.vocab_size / c_.tp->size(), m.d_model,
+                                dx_bytes, cfg_.parallel.zero1))
       return;
   }
   embedding_grad_ = std::make_unique<GatheredEmbeddingGrad>(*c_.grad);

@@ -117,13 +117,15 @@ TEST_F(GatheredEmbeddingGradTest, RefusesRowsBeyondTheCapacity) {
   EXPECT_THROW(g.backward(dtable, dx, ids, kStart), Error);
 }
 
-TEST(GatherBeatsAllReduce, ComparesBytes) {
-  // The 1B Llama (untied V 32000, C 2048, bf16 rows, 2 microbatches of 4 x 2048 tokens per replica):
-  // gathers on 2 GPUs (134 MB against the table's 262 MB), not on 4 (268 MB).
-  EXPECT_TRUE(gather_beats_all_reduce(2, 2, 8192, 32000, 2048, 2));
-  EXPECT_FALSE(gather_beats_all_reduce(4, 2, 8192, 32000, 2048, 2));
-  EXPECT_TRUE(gather_beats_all_reduce(4, 1, 8192, 32000, 2048, 2));  // one microbatch: 134 MB
-  EXPECT_FALSE(gather_beats_all_reduce(1, 1, 16, 32000, 2048, 2));   // one replica: nothing to reduce
+TEST(GatherBeatsReduction, ComparesBytes) {
+  // The 1B Llama (untied V 32000, C 2048, bf16 rows, 2 microbatches of 4 x 2048 tokens per replica): on 2
+  // GPUs 67 MB gathered against a 262 MB all-reduce, but against ZeRO-1's 131 MB reduction to the owners
+  // not half; on 4 GPUs 201 MB against 393 MB.
+  EXPECT_TRUE(gather_beats_reduction(2, 2, 8192, 32000, 2048, 2, /*zero1=*/false));
+  EXPECT_FALSE(gather_beats_reduction(2, 2, 8192, 32000, 2048, 2, /*zero1=*/true));
+  EXPECT_FALSE(gather_beats_reduction(4, 2, 8192, 32000, 2048, 2, false));
+  EXPECT_TRUE(gather_beats_reduction(4, 1, 8192, 32000, 2048, 2, false));  // one microbatch: 101 MB
+  EXPECT_FALSE(gather_beats_reduction(1, 1, 16, 32000, 2048, 2, false));   // one replica: nothing to reduce
 }
 
 }  // namespace

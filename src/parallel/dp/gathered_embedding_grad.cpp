@@ -86,12 +86,14 @@ void GatheredEmbeddingGrad::finish() {
   pending_.clear();
 }
 
-bool gather_beats_all_reduce(int64_t n, int64_t m, int64_t rows, int64_t vocab_local, int64_t channels,
-                             int64_t dx_bytes) {
+bool gather_beats_reduction(int64_t n, int64_t m, int64_t rows, int64_t vocab_local, int64_t channels,
+                            int64_t dx_bytes, bool zero1) {
   if (n <= 1) return false;
-  const double gathered = static_cast<double>(n) * static_cast<double>(m) * static_cast<double>(rows) *
+  const double gathered = static_cast<double>(n - 1) * static_cast<double>(m) * static_cast<double>(rows) *
                           static_cast<double>(channels * dx_bytes + 4);
-  return gathered <= static_cast<double>(vocab_local) * static_cast<double>(channels) * 4.0;
+  const double reduced = (zero1 ? 1.0 : 2.0) * static_cast<double>(n - 1) / static_cast<double>(n) *
+                         static_cast<double>(vocab_local) * static_cast<double>(channels) * 4.0;
+  return gathered <= 0.5 * reduced;
 }
 
 }  // namespace ndt

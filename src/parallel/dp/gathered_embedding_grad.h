@@ -67,9 +67,9 @@ class GatheredEmbeddingGrad final : public EmbeddingGradHook {
 };
 
 // Whether gathering m microbatches of `rows` tokens per replica over a group of n moves at most half the
-// bytes of all-reducing the table: received n·m·rows·(C·dx_bytes + 4) against 2(n - 1)/n·V·C·4 (compared as
-// n·m·rows·(C·dx_bytes + 4) <= V·C·4, the same up to the factor (n - 1)/n both sides share).
-bool gather_beats_all_reduce(int64_t n, int64_t m, int64_t rows, int64_t vocab_local, int64_t channels,
-                             int64_t dx_bytes);
+// bytes of the table's reduction. Received per replica: gathered (n - 1)·m·rows·(C·dx_bytes + 4); an
+// all-reduce moves 2(n - 1)/n·V·C·4, ZeRO-1's reduction to the owners (n - 1)/n·V·C·4.
+bool gather_beats_reduction(int64_t n, int64_t m, int64_t rows, int64_t vocab_local, int64_t channels,
+                            int64_t dx_bytes, bool zero1);
 
 }  // namespace ndt
