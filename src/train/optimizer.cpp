@@ -9,6 +9,8 @@
 #include "dist/nccl_communicator.h"
 #endif
 #ifdef NDT_HAVE_CUDA
+#include <cuda_runtime.h>
+
 #include "cuda/cuda_ops.h"
 #include "cuda/runtime.h"
 #endif
@@ -106,7 +108,8 @@ bool Optimizer::can_reduce_early() const {
 
 void Optimizer::add_early_range(const char* what, int64_t begin, int64_t end) {
   NDT_CHECK(can_reduce_early() && begin >= 0 && begin < end && end <= regions_.front().end,
-            "{} [{}, {}): needs DP over NCCL or plain DP, and a range of the dense flat region", what, begin, end);
+            "{} [{}, {}): needs DP over NCCL or plain DP, and a range of the dense flat region", what, begin,
+            end);
   early_ranges_.emplace_back(begin, end);
 }
 
@@ -126,6 +129,19 @@ void Optimizer::reduce_early(int64_t begin, int64_t end) {
   std::shared_ptr<CommHandle> h = as_nccl(c_.dp)->all_reduce_async(params_.flat_grads().f32() + begin,
                                                                    end - begin, DType::F32, ReduceOp::Sum);
   early_waits_.push_back([h] { h->wait(); });
+#endif
+}
+
+void Optimizer::join_early() {
+  for (auto& wait : early_waits_) wait();
+  early_waits_.clear();
+}
+
+void Optimizer::discard_early() {
+  early_waits_.clear();
+  early_ranges_.clear();
+#ifdef NDT_HAVE_CUDA
+  (void)cudaGetLastError();  // (the dropped handles' waits on events of an invalidated capture)
 #endif
 }
 

@@ -66,6 +66,14 @@ class Optimizer {
   bool overlaps_reduction() const;
   bool can_reduce_early() const;
   void reduce_early(int64_t begin, int64_t end);
+  // A DP step replayed from a CUDA graph (train/step_graph.h): join_early() makes the compute stream wait
+  // for the reductions reduce_early started (called inside the captured work, it joins the communicator's
+  // stream into the capture); early_ranges() / set_early_ranges() carry the ranges a replay's skipped host
+  // code would have recorded; discard_early() drops what a failed capture left.
+  void join_early();
+  const std::vector<std::pair<int64_t, int64_t>>& early_ranges() const { return early_ranges_; }
+  void set_early_ranges(std::vector<std::pair<int64_t, int64_t>> r) { early_ranges_ = std::move(r); }
+  void discard_early();
   // [begin, end) of the dense region holds its reduced gradient already (the gathered untied embedding
   // table): reduce_grads leaves it out. Same condition as reduce_early.
   void mark_reduced(int64_t begin, int64_t end);

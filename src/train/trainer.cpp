@@ -124,12 +124,16 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   }
   if (embedding_grad_) engine_->set_embedding_grad_hook(embedding_grad_.get());
 #ifdef NDT_HAVE_CUDA
-  // One process on one GPU, dense: the forward and backward enqueue nothing that depends on other ranks or
-  // on values read back (MoE routes on the host), so they can be replayed from a graph. NDT_CUDA_GRAPHS=0
-  // turns them off like train.cuda_graphs=false (A/B runs of one config).
+  // Dense data parallelism alone (one rank included): the forward and backward enqueue nothing that depends
+  // on values read back (MoE routes on the host), and their collectives, the gradient reductions, are the
+  // same ranges in the same order whatever the step's shapes, so each rank may replay, capture or launch
+  // eagerly on its own. (Model parallelism exchanges activations sized by the step; the gathered embedding
+  // gradient uploads its ids.) NDT_CUDA_GRAPHS=0 turns them off like train.cuda_graphs=false (A/B runs).
   const char* graphs_env = std::getenv("NDT_CUDA_GRAPHS");
   const bool graphs = cfg_.train.cuda_graphs && !(graphs_env && std::string(graphs_env) == "0");
-  if (cfg_.train.device == "cuda" && graphs && c_.world->size() == 1 && !cfg_.model.moe.enabled()) {
+  const bool dp_only = c_.world->size() == c_.grad->size() && c_.cp->size() == 1 && c_.ep_hooks == nullptr;
+  const bool dp_graphable = c_.world->size() == 1 || (opt_->overlaps_reduction() && !embedding_grad_);
+  if (cfg_.train.device == "cuda" && graphs && dp_only && dp_graphable && !cfg_.model.moe.enabled()) {
     // cuDNN's attention (bf16) reads the sequence layout on the host; the built-in kernels on the device.
     const bool cudnn = cfg_.train.effective_precision() == "bf16" && cuda::cudnn_attention_enabled();
     graph_ = std::make_unique<StepGraph>(/*seqlens_on_host=*/cudnn);
@@ -322,10 +326,18 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   engine_->begin_moe_step(static_cast<double>(counts[1]), static_cast<double>(counts[2]));
   double loss_sum = 0;
   if (graphed) {
+    bool ran = false;
     graph_->run(mbs, scale, [&](const std::vector<Microbatch>& dev) {
+      opt_->discard_early();  // (what a failed capture of this step left)
       engine_->params().zero_grad();
       engine_->train(dev, scale, nullptr, t0_us, nullptr);
+      // DP: the reductions started under the backward end inside the work (a capture must join them);
+      // a replay skips this host code, so the ranges it reduced are kept for reduce_grads.
+      opt_->join_early();
+      graph_early_ranges_ = opt_->early_ranges();
+      ran = true;
     });
+    if (!ran) opt_->set_early_ranges(graph_early_ranges_);
     report_graph(step);
   } else {
     loss_sum = engine_->train(mbs, scale, tracing ? &trace_ : nullptr, t0_us, token_loss);
@@ -408,7 +420,8 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
 }
 
 void Trainer::report_graph(int64_t step) {
-  if (graph_->just_captured()) {
+  // (Each DP rank decides on its own: rank 0 tells its captures, any rank its failures.)
+  if (graph_->just_captured() && c_.world->rank() == 0) {
     std::printf(
         "cuda graphs: step %lld's forward and backward captured; steps of the same shape replay them\n",
         static_cast<long long>(step));
@@ -416,8 +429,8 @@ void Trainer::report_graph(int64_t step) {
   }
   if (!graph_->failure().empty() && graph_->failure() != graph_failure_told_) {
     graph_failure_told_ = graph_->failure();
-    std::printf("cuda graphs: step %lld could not be captured and ran eagerly: %s\n",
-                static_cast<long long>(step), graph_failure_told_.c_str());
+    std::printf("cuda graphs: rank %d: step %lld could not be captured and ran eagerly: %s\n",
+                c_.world->rank(), static_cast<long long>(step), graph_failure_told_.c_str());
     std::fflush(stdout);
   }
 }

@@ -147,7 +147,7 @@ class Trainer {
   // Whether DP replicas must make the same model calls (expert parallelism exchanges tokens between them).
   bool lockstep() const { return c_.ep_hooks != nullptr; }
   void report_pipeline(bool logger);
-  // Prints (this run has one rank) a graph capture of this step, or why it failed (once per reason).
+  // Prints a graph capture of this step (rank 0), or why it failed (once per reason).
   void report_graph(int64_t step);
   // parallel.dp_embedding_grad: makes embedding_grad_ when the table's gradient is to be gathered.
   void setup_embedding_grad();
@@ -177,6 +177,7 @@ class Trainer {
   std::function<void(int64_t)> grads_hook_;
   std::vector<Fault> faults_;         // debug.fault / NDT_FAULT (train/fault.h)
   std::unique_ptr<StepGraph> graph_;  // train.cuda_graphs on a layout that allows them (else null)
+  std::vector<std::pair<int64_t, int64_t>> graph_early_ranges_;  // the captured step's early DP reductions
   std::unique_ptr<GatheredEmbeddingGrad> embedding_grad_;  // DP: the table's gradient gathered (else null)
   std::string graph_failure_told_;                         // the capture failure already printed
   int64_t skipped_steps_ = 0, consecutive_skips_ = 0;
