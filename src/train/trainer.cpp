@@ -124,21 +124,26 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   }
   if (embedding_grad_) engine_->set_embedding_grad_hook(embedding_grad_.get());
 #ifdef NDT_HAVE_CUDA
-  // Dense data parallelism alone (one rank included): the forward and backward enqueue nothing that depends
-  // on values read back (MoE routes on the host), and their collectives, the gradient reductions, are the
-  // same ranges in the same order whatever the step's shapes, so each rank may replay, capture or launch
-  // eagerly on its own. (Model parallelism exchanges activations sized by the step; the gathered embedding
-  // gradient uploads its ids.) NDT_CUDA_GRAPHS=0 turns them off like train.cuda_graphs=false (A/B runs).
-  const char* graphs_env = std::getenv("NDT_CUDA_GRAPHS");
-  const bool graphs = cfg_.train.cuda_graphs && !(graphs_env && std::string(graphs_env) == "0");
-  const bool dp_only = c_.world->size() == c_.grad->size() && c_.cp->size() == 1 && c_.ep_hooks == nullptr;
-  const bool dp_graphable = c_.world->size() == 1 || (opt_->overlaps_reduction() && !embedding_grad_);
-  if (cfg_.train.device == "cuda" && graphs && dp_only && dp_graphable && !cfg_.model.moe.enabled()) {
+  if (step_graphs_apply() && !embedding_grad_) {  // (the gathered form uploads its per-step plan)
     // cuDNN's attention (bf16) reads the sequence layout on the host; the built-in kernels on the device.
     const bool cudnn = cfg_.train.effective_precision() == "bf16" && cuda::cudnn_attention_enabled();
     graph_ = std::make_unique<StepGraph>(/*seqlens_on_host=*/cudnn);
   }
 #endif
+}
+
+bool Trainer::step_graphs_apply() const {
+  // Dense data parallelism alone (one rank included): the forward and backward enqueue nothing that depends
+  // on values read back (MoE routes on the host), and their collectives, the gradient reductions, are the
+  // same ranges in the same order whatever the step's shapes, so each rank may replay, capture or launch
+  // eagerly on its own. (Model parallelism exchanges activations sized by the step; a gathered embedding
+  // gradient, parallel.dp_embedding_grad, keeps its steps eager.) NDT_CUDA_GRAPHS=0 turns them off like
+  // train.cuda_graphs=false (A/B runs).
+  const char* graphs_env = std::getenv("NDT_CUDA_GRAPHS");
+  const bool graphs = cfg_.train.cuda_graphs && !(graphs_env && std::string(graphs_env) == "0");
+  const bool dp_only = c_.world->size() == c_.grad->size() && c_.cp->size() == 1 && c_.ep_hooks == nullptr;
+  const bool dp_graphable = c_.world->size() == 1 || opt_->overlaps_reduction();
+  return cfg_.train.device == "cuda" && graphs && dp_only && dp_graphable && !cfg_.model.moe.enabled();
 }
 
 void Trainer::setup_embedding_grad() {
@@ -158,8 +163,10 @@ void Trainer::setup_embedding_grad() {
     // Measured (docs/performance.md, 2026-11-27): a tied table gains nothing (its head part is reduced
     // anyway, only earlier, and the compute beside it slows as much), an untied one loses its reduction,
     // which pays where the gathers move at most half its bytes.
+    // With the step replayed from a CUDA graph the all-reduce was faster still (the 1B Llama's dp2 on 2 x
+    // H200: 212.0 ms graphed against 214.0 gathered, launched kernel by kernel).
     const ModelConfig& m = cfg_.model;
-    if (!opt_->overlaps_reduction() || m.tied()) return;  // (on the CPU there is no overlap to gain)
+    if (!opt_->overlaps_reduction() || m.tied() || step_graphs_apply()) return;  // (CPU: no overlap to gain)
     const int64_t budget = cfg_.data.packing && cfg_.data.pack_tokens > 0
                                ? cfg_.data.pack_tokens
                                : rows_per_microbatch() * cfg_.data.seq_len;

@@ -151,6 +151,8 @@ class Trainer {
   void report_graph(int64_t step);
   // parallel.dp_embedding_grad: makes embedding_grad_ when the table's gradient is to be gathered.
   void setup_embedding_grad();
+  // Whether training steps go through a StepGraph (train.cuda_graphs on a layout that allows them).
+  bool step_graphs_apply() const;
   // The non-finite check of a step (docs/reliability.md), collective over the world: every rank gets the
   // same answer, empty when the loss and the reduced gradients are finite, else a message naming
   // the first parameter (registration order) with a non-finite gradient and the ranks that saw it.

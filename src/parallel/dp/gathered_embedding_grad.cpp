@@ -5,12 +5,25 @@
 #include "core/check.h"
 #include "ops/ops.h"
 
+#ifdef NDT_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/runtime.h"
+#endif
+
 namespace ndt {
 namespace {
 
-std::vector<int32_t> host_ids(const Tensor& ids) {
-  const Tensor h = ids.device() == Device::CPU ? ids : ids.to(Device::CPU);
-  return std::vector<int32_t>(h.i32(), h.i32() + h.numel());
+// ids (i32) that no vocabulary shard holds: their rows add nothing, so they are never read.
+void fill_minus_one(Tensor& ids) {
+  if (ids.device() == Device::CPU) {
+    std::fill(ids.i32(), ids.i32() + ids.numel(), -1);
+    return;
+  }
+#ifdef NDT_HAVE_CUDA
+  NDT_CUDA_CHECK(cudaMemsetAsync(ids.data_ptr(), 0xFF, ids.nbytes(), cuda::stream()));  // (-1 in every i32)
+#endif
 }
 
 }  // namespace
@@ -23,18 +36,22 @@ GatheredEmbeddingGrad::~GatheredEmbeddingGrad() {
   }
 }
 
-void GatheredEmbeddingGrad::start_gather(Tensor& dtable, const Tensor& rows, const std::vector<int32_t>& ids,
+void GatheredEmbeddingGrad::start_gather(Tensor& dtable, const Tensor& rows, const std::vector<Tensor>& ids,
                                          int64_t vocab_start) {
-  const int64_t T = static_cast<int64_t>(ids.size()), C = rows.size(1), cap = capacity_, n = dp_.size();
+  const int64_t T = rows.size(0), C = rows.size(1), cap = capacity_, n = dp_.size();
   NDT_CHECK(T <= cap, "gathered embedding gradient: {} tokens exceed the {} rows each replica sends", T, cap);
   const Device dev = rows.device();
   Pending p;
   p.dtable = dtable;
   p.vocab_start = vocab_start;
-  // Padded with id -1, which no vocabulary shard holds (those rows add nothing, so they are never read).
-  std::vector<int32_t> padded(static_cast<size_t>(cap), -1);
-  std::copy(ids.begin(), ids.end(), padded.begin());
-  p.send_ids = Tensor::from_vector(padded, {cap}).to(dev);
+  p.send_ids = Tensor::empty({cap}, DType::I32, dev);
+  fill_minus_one(p.send_ids);
+  int64_t at = 0;
+  for (const Tensor& piece : ids) {
+    p.send_ids.view_at(at, {piece.numel()}).copy_from(piece);
+    at += piece.numel();
+  }
+  NDT_CHECK(at == T, "gathered embedding gradient: {} ids for {} rows", at, T);
   p.send_rows = rows;
   if (T < cap) {
     p.send_rows = Tensor::empty({cap, C}, rows.dtype(), dev);
@@ -53,9 +70,9 @@ void GatheredEmbeddingGrad::backward(Tensor& dtable, const Tensor& dx, const Ten
   NDT_CHECK(dx.dim() == 2 && dx.size(0) == ids.numel(),
             "gathered embedding gradient: dx has {} rows for {} ids", dx.size(0), ids.numel());
   if (per_microbatch_) {
-    start_gather(dtable, dx, host_ids(ids), vocab_start);
+    start_gather(dtable, dx, {ids}, vocab_start);
   } else {
-    kept_.push_back({dtable, dx, host_ids(ids), vocab_start});
+    kept_.push_back({dtable, dx, ids, vocab_start});
   }
 }
 
@@ -68,11 +85,14 @@ void GatheredEmbeddingGrad::finish() {
                 "gathered embedding gradient: the step's microbatches name different tables");
       T += k.dx.size(0);
     }
-    Tensor rows = Tensor::empty({T, first.dx.size(1)}, first.dx.dtype(), first.dx.device());
-    std::vector<int32_t> ids;
+    const int64_t C = first.dx.size(1);
+    Tensor rows = Tensor::empty({T, C}, first.dx.dtype(), first.dx.device());
+    std::vector<Tensor> ids;
+    int64_t at = 0;
     for (const Kept& k : kept_) {
-      rows.view_at(static_cast<int64_t>(ids.size()) * k.dx.size(1), k.dx.shape()).copy_from(k.dx);
-      ids.insert(ids.end(), k.ids.begin(), k.ids.end());
+      rows.view_at(at * C, k.dx.shape()).copy_from(k.dx);
+      ids.push_back(k.ids);
+      at += k.dx.size(0);
     }
     Tensor dtable = first.dtable;
     start_gather(dtable, rows, ids, first.vocab_start);

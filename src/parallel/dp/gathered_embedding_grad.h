@@ -53,12 +53,12 @@ class GatheredEmbeddingGrad final : public EmbeddingGradHook {
     std::unique_ptr<CommHandle> rows_done, ids_done;
   };
   struct Kept {  // a microbatch's rows waiting for the step's one gather
-    Tensor dtable, dx;
-    std::vector<int32_t> ids;
+    Tensor dtable, dx, ids;
     int64_t vocab_start = 0;
   };
-  // Starts the gather of `rows` (T <= capacity_, C) with their ids (T) padded to capacity_.
-  void start_gather(Tensor& dtable, const Tensor& rows, const std::vector<int32_t>& ids, int64_t vocab_start);
+  // Starts the gather of `rows` (T <= capacity_, C) with their ids (pieces of T in all, host or device)
+  // padded to capacity_ (on the device, without a host round trip, when they are there).
+  void start_gather(Tensor& dtable, const Tensor& rows, const std::vector<Tensor>& ids, int64_t vocab_start);
   Communicator& dp_;
   int64_t capacity_ = 0;
   bool per_microbatch_ = true;
