@@ -124,7 +124,7 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   }
   if (embedding_grad_) engine_->set_embedding_grad_hook(embedding_grad_.get());
 #ifdef NDT_HAVE_CUDA
-  if (step_graphs_apply() && !embedding_grad_) {  // (the gathered form uploads its per-step plan)
+  if (step_graphs_apply() && !embedding_grad_) {  // (gathering steps stay eager: sizes agreed per step)
     // cuDNN's attention (bf16) reads the sequence layout on the host; the built-in kernels on the device.
     const bool cudnn = cfg_.train.effective_precision() == "bf16" && cuda::cudnn_attention_enabled();
     graph_ = std::make_unique<StepGraph>(/*seqlens_on_host=*/cudnn);
