@@ -102,8 +102,7 @@ bool Optimizer::overlaps_reduction() const {
 }
 
 bool Optimizer::can_reduce_early() const {
-  return overlaps_reduction() ||
-         (active(c_.dp) && !regions_.empty() && regions_.front().dp == c_.dp && !regions_.front().zero);
+  return overlaps_reduction() || (active(c_.dp) && !regions_.empty() && !regions_.front().zero);
 }
 
 void Optimizer::add_early_range(const char* what, int64_t begin, int64_t end) {
@@ -138,8 +137,9 @@ void Optimizer::join_early() {
 }
 
 void Optimizer::discard_early() {
-  early_waits_.clear();
   early_ranges_.clear();
+  if (early_waits_.empty()) return;  // (every step but the one after a failed capture)
+  early_waits_.clear();
 #ifdef NDT_HAVE_CUDA
   (void)cudaGetLastError();  // (the dropped handles' waits on events of an invalidated capture)
 #endif

@@ -167,10 +167,7 @@ void Trainer::setup_embedding_grad() {
     // H200: 212.0 ms graphed against 214.0 gathered, launched kernel by kernel).
     const ModelConfig& m = cfg_.model;
     if (!opt_->overlaps_reduction() || m.tied() || step_graphs_apply()) return;  // (CPU: no overlap to gain)
-    const int64_t budget = cfg_.data.packing && cfg_.data.pack_tokens > 0
-                               ? cfg_.data.pack_tokens
-                               : rows_per_microbatch() * cfg_.data.seq_len;
-    const int64_t rows = (budget + c_.cp->size() - 1) / c_.cp->size();
+    const int64_t rows = (microbatch_token_budget() + c_.cp->size() - 1) / c_.cp->size();
     const int64_t per_rank = cfg_.train.global_batch / c_.dp->size(), mbs = rows_per_microbatch();
     const int64_t microbatches = std::max<int64_t>(1, (per_rank + mbs - 1) / mbs);
     const int64_t dx_bytes = engine_->params().compute_dtype() == DType::BF16 ? 2 : 4;
@@ -245,7 +242,7 @@ std::vector<Microbatch> Trainer::microbatches(const std::vector<Sample>& samples
     for (int64_t i = g; i < g + group; ++i) len += packed_length(samples[static_cast<size_t>(i)], layout);
     lengths.push_back(len);
   }
-  const int64_t budget = cfg_.data.pack_tokens > 0 ? cfg_.data.pack_tokens : mbs * cfg_.data.seq_len;
+  const int64_t budget = microbatch_token_budget();
   auto bins = pack_into_microbatches(lengths, budget, pack_count_multiple_);
   if (c_.ep_hooks && c_.dp->size() > 1) {
     // Expert parallelism couples the DP replicas in every MoE layer: all of them run the same number of

@@ -144,6 +144,12 @@ class Trainer {
   int64_t rows_per_microbatch() const {
     return cfg_.train.micro_batch > 0 ? cfg_.train.micro_batch : cfg_.train.global_batch / c_.dp->size();
   }
+  // Tokens a microbatch holds at most: the packing budget (data.pack_tokens when set), else its rows of
+  // seq_len.
+  int64_t microbatch_token_budget() const {
+    return cfg_.data.packing && cfg_.data.pack_tokens > 0 ? cfg_.data.pack_tokens
+                                                          : rows_per_microbatch() * cfg_.data.seq_len;
+  }
   // Whether DP replicas must make the same model calls (expert parallelism exchanges tokens between them).
   bool lockstep() const { return c_.ep_hooks != nullptr; }
   void report_pipeline(bool logger);

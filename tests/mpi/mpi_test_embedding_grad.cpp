@@ -32,6 +32,24 @@ std::vector<float> rows_of(int r, int j = 0) {
   return v;
 }
 
+// expect (kV, kC) += the table gradient of replica q's microbatch j (the host reference).
+void add_rows(std::vector<float>& expect, int q, int j) {
+  const std::vector<int32_t> qi = ids_of(q, j);
+  const std::vector<float> qx = rows_of(q, j);
+  for (int64_t t = 0; t < tokens_of(q, j); ++t) {
+    const int64_t row = qi[t] - kStart;
+    if (row < 0 || row >= kV) continue;
+    for (int64_t c = 0; c < kC; ++c) expect[row * kC + c] += qx[t * kC + c];
+  }
+}
+
+// This replica's backward of its microbatch j through g.
+void backward_of(GatheredEmbeddingGrad& g, Tensor& dtable, int r, int j) {
+  const Tensor ids = Tensor::from_vector(ids_of(r, j), {tokens_of(r, j)});
+  const Tensor dx = Tensor::from_vector(rows_of(r, j), {tokens_of(r, j), kC});
+  g.backward(dtable, dx, ids, kStart);
+}
+
 class GatheredEmbeddingGradTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -49,24 +67,12 @@ TEST_F(GatheredEmbeddingGradTest, EveryReplicaAddsTheGroupsRowsAtFinish) {
   std::vector<float> start(kV * kC);
   for (int64_t i = 0; i < kV * kC; ++i) start[i] = static_cast<float>(i % 5);  // accumulated into (+=)
   Tensor dtable = Tensor::from_vector(start, {kV, kC});
-  for (int j = 0; j < kMicrobatches; ++j) {
-    const Tensor ids = Tensor::from_vector(ids_of(r, j), {tokens_of(r, j)});
-    const Tensor dx = Tensor::from_vector(rows_of(r, j), {tokens_of(r, j), kC});
-    g.backward(dtable, dx, ids, kStart);
-  }
+  for (int j = 0; j < kMicrobatches; ++j) backward_of(g, dtable, r, j);
   const std::vector<float> before_finish = dtable.to_vector<float>();
   g.finish();
   std::vector<float> expect = start;
   for (int j = 0; j < kMicrobatches; ++j)
-    for (int q = 0; q < P; ++q) {
-      const std::vector<int32_t> qi = ids_of(q, j);
-      const std::vector<float> qx = rows_of(q, j);
-      for (int64_t t = 0; t < tokens_of(q, j); ++t) {
-        const int64_t row = qi[t] - kStart;
-        if (row < 0 || row >= kV) continue;
-        for (int64_t c = 0; c < kC; ++c) expect[row * kC + c] += qx[t * kC + c];
-      }
-    }
+    for (int q = 0; q < P; ++q) add_rows(expect, q, j);
   EXPECT_EQ(before_finish, start);  // backward only gathers
   EXPECT_EQ(dtable.to_vector<float>(), expect);
   g.finish();  // nothing pending: a no-op
@@ -87,23 +93,11 @@ TEST_F(GatheredEmbeddingGradTest, OneGatherWhenMicrobatchCountsDiffer) {
   GatheredEmbeddingGrad g(*world);
   g.set_step(largest, /*per_microbatch=*/false);
   Tensor dtable = Tensor::zeros({kV, kC});
-  for (int j = 0; j < count(r); ++j) {
-    const Tensor ids = Tensor::from_vector(ids_of(r, j), {tokens_of(r, j)});
-    const Tensor dx = Tensor::from_vector(rows_of(r, j), {tokens_of(r, j), kC});
-    g.backward(dtable, dx, ids, kStart);
-  }
+  for (int j = 0; j < count(r); ++j) backward_of(g, dtable, r, j);
   g.finish();
   std::vector<float> expect(kV * kC, 0.0f);
   for (int q = 0; q < P; ++q)
-    for (int j = 0; j < count(q); ++j) {
-      const std::vector<int32_t> qi = ids_of(q, j);
-      const std::vector<float> qx = rows_of(q, j);
-      for (int64_t t = 0; t < tokens_of(q, j); ++t) {
-        const int64_t row = qi[t] - kStart;
-        if (row < 0 || row >= kV) continue;
-        for (int64_t c = 0; c < kC; ++c) expect[row * kC + c] += qx[t * kC + c];
-      }
-    }
+    for (int j = 0; j < count(q); ++j) add_rows(expect, q, j);
   EXPECT_EQ(dtable.to_vector<float>(), expect);
 }
 
@@ -111,10 +105,7 @@ TEST_F(GatheredEmbeddingGradTest, RefusesRowsBeyondTheCapacity) {
   GatheredEmbeddingGrad g(*world);
   g.set_step(tokens_of(0) - 1, true);  // every rank is over: each refuses before any collective
   Tensor dtable = Tensor::zeros({kV, kC});
-  const int r = world->rank();
-  const Tensor ids = Tensor::from_vector(ids_of(r), {tokens_of(r)});
-  const Tensor dx = Tensor::from_vector(rows_of(r), {tokens_of(r), kC});
-  EXPECT_THROW(g.backward(dtable, dx, ids, kStart), Error);
+  EXPECT_THROW(backward_of(g, dtable, world->rank(), 0), Error);
 }
 
 TEST(GatherBeatsReduction, ComparesBytes) {

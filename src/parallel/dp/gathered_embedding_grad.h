@@ -11,11 +11,13 @@
 // NCCL the compute stream does not wait) and finish() waits for them and adds every microbatch's rows in
 // microbatch order. When the counts differ (packed data, post-training blocks), per-microbatch gathers would
 // not line up with the other replicas' collectives, so backward() only keeps the rows and finish() gathers
-// all of them at once. The caller's contract (PipelineEngine): every
-// microbatch's table gradient goes through here; an untied table then needs no reduction at all; a table
-// tied to the output head still has the head's part reduced, through the same communicator before the last
-// microbatch's gather, so that on NCCL that reduction has finished when finish() (ordered after the last
-// gather on the communicator's stream) adds the rows, and over MPI everything is blocking. Every replica
+// all of them at once.
+//
+// The caller's contract (PipelineEngine): every microbatch's table gradient goes through here; an untied
+// table then needs no reduction at all; a table tied to the output head still has the head's part reduced,
+// through the same communicator before the last microbatch's gather, so that on NCCL that reduction has
+// finished when finish() (ordered after the last gather on the communicator's stream) adds the rows, and
+// over MPI everything is blocking. Every replica
 // adds the same rows in the same order (replica by replica, tokens in order, summed per id in sorted order
 // on the GPU), so the replicas hold the same bits.
 #include <cstdint>
