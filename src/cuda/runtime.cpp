@@ -263,6 +263,13 @@ void sync_stream(cudaStream_t s) {
 
 bool is_device_pointer(const void* p) {
   if (!p) return false;
+  if (g_capture_mem.active) {  // memory the capture allocated is not yet known to cudaPointerGetAttributes
+    auto it = g_capture_mem.sizes.upper_bound(const_cast<void*>(p));
+    if (it != g_capture_mem.sizes.begin()) {
+      --it;
+      if (static_cast<const char*>(p) < static_cast<const char*>(it->first) + it->second) return true;
+    }
+  }
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
     cudaGetLastError();  // older runtimes report unregistered host memory as an error

@@ -64,8 +64,10 @@ std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs, fl
 }
 
 bool StepGraph::run(const std::vector<Microbatch>& mbs, float loss_scale,
-                    const std::function<void(const std::vector<Microbatch>&)>& work) {
+                    const std::function<void(const std::vector<Microbatch>&)>& work,
+                    const std::vector<int64_t>& extra_signature) {
   std::vector<int64_t> sig = step_signature(mbs);
+  sig.insert(sig.end(), extra_signature.begin(), extra_signature.end());
   const std::vector<Microbatch> dev = upload(mbs, loss_scale);
   just_captured_ = false;
   if (graph_ && sig != graph_sig_ && sig == prev_sig_) graph_.reset();  // a new shape that repeats
@@ -101,7 +103,8 @@ class Graph {};  // (no graphs without the CUDA backend)
 }  // namespace cuda
 
 bool StepGraph::run(const std::vector<Microbatch>& mbs, float,
-                    const std::function<void(const std::vector<Microbatch>&)>& work) {
+                    const std::function<void(const std::vector<Microbatch>&)>& work,
+                    const std::vector<int64_t>&) {
   work(mbs);
   ++eager_;
   return false;

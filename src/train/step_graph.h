@@ -37,10 +37,12 @@ class StepGraph {
   // `loss_scale` (as Microbatch::loss_scale) in this object's device buffers: replayed when the signature is
   // the captured one; captured, then replayed, when it equals the previous step's (caches warm, buffers at
   // their addresses) and has not failed to capture before; else eagerly. The work must free what it allocates
-  // and leave results only in buffers that outlive it (gradients, the engine's loss sum). Returns whether the
-  // step was replayed.
+  // and leave results only in buffers that outlive it (gradients, the engine's loss sum). extra_signature:
+  // further host decisions the work depends on (the gathered embedding gradient's agreed sizes), part of the
+  // signature. Returns whether the step was replayed.
   bool run(const std::vector<Microbatch>& mbs, float loss_scale,
-           const std::function<void(const std::vector<Microbatch>&)>& work);
+           const std::function<void(const std::vector<Microbatch>&)>& work,
+           const std::vector<int64_t>& extra_signature = {});
 
   int64_t captures() const { return captures_; }
   int64_t replays() const { return replays_; }

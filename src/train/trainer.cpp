@@ -124,7 +124,7 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   }
   if (embedding_grad_) engine_->set_embedding_grad_hook(embedding_grad_.get());
 #ifdef NDT_HAVE_CUDA
-  if (step_graphs_apply() && !embedding_grad_) {  // (gathering steps stay eager: sizes agreed per step)
+  if (step_graphs_apply()) {
     // cuDNN's attention (bf16) reads the sequence layout on the host; the built-in kernels on the device.
     const bool cudnn = cfg_.train.effective_precision() == "bf16" && cuda::cudnn_attention_enabled();
     graph_ = std::make_unique<StepGraph>(/*seqlens_on_host=*/cudnn);
@@ -136,9 +136,9 @@ bool Trainer::step_graphs_apply() const {
   // Dense data parallelism alone (one rank included): the forward and backward enqueue nothing that depends
   // on values read back (MoE routes on the host), and their collectives, the gradient reductions, are the
   // same ranges in the same order whatever the step's shapes, so each rank may replay, capture or launch
-  // eagerly on its own. (Model parallelism exchanges activations sized by the step; a gathered embedding
-  // gradient, parallel.dp_embedding_grad, keeps its steps eager.) NDT_CUDA_GRAPHS=0 turns them off like
-  // train.cuda_graphs=false (A/B runs).
+  // eagerly on its own. (Model parallelism exchanges activations sized by the step. A gathered embedding
+  // gradient, parallel.dp_embedding_grad, gathers sizes agreed over DP, part of the graph's signature.)
+  // NDT_CUDA_GRAPHS=0 turns them off like train.cuda_graphs=false (A/B runs).
   const char* graphs_env = std::getenv("NDT_CUDA_GRAPHS");
   const bool graphs = cfg_.train.cuda_graphs && !(graphs_env && std::string(graphs_env) == "0");
   const bool dp_only = c_.world->size() == c_.grad->size() && c_.cp->size() == 1 && c_.ep_hooks == nullptr;
@@ -163,8 +163,8 @@ void Trainer::setup_embedding_grad() {
     // Measured (docs/performance.md, 2026-11-27): a tied table gains nothing (its head part is reduced
     // anyway, only earlier, and the compute beside it slows as much), an untied one loses its reduction,
     // which pays where the gathers move at most half its bytes.
-    // With the step replayed from a CUDA graph the all-reduce was faster still (the 1B Llama's dp2 on 2 x
-    // H200: 212.0 ms graphed against 214.0 gathered, launched kernel by kernel).
+    // Where steps replay from CUDA graphs the all-reduce was faster (the 1B Llama's dp2 on 2 x H200, both
+    // graphed: 211.4 and 212.2 ms all-reduced against 214.1 and 215.0 gathered).
     const ModelConfig& m = cfg_.model;
     if (!opt_->overlaps_reduction() || m.tied() || step_graphs_apply()) return;  // (CPU: no overlap to gain)
     const int64_t rows = (microbatch_token_budget() + c_.cp->size() - 1) / c_.cp->size();
@@ -292,6 +292,7 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   // (the same as summing each CP shard's count over DP x CP).
   c_.dp->all_reduce(counts, 3, DType::I64, ReduceOp::Sum);
   const int64_t n_tokens = counts[0];
+  std::vector<int64_t> gather_signature;
   if (embedding_grad_) {
     // The gathers' plan, agreed over DP (each CP rank holds 1/cp of every microbatch): one per microbatch
     // when every replica runs as many, sized by the longest microbatch; else one, sized by the largest sum.
@@ -304,7 +305,9 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
     c_.dp->all_reduce(plan, 4, DType::I64, ReduceOp::Max);
     const bool per_microbatch = plan[0] == -plan[1];
     const int64_t cp = c_.cp->size();
-    embedding_grad_->set_step(((per_microbatch ? plan[2] : plan[3]) + cp - 1) / cp, per_microbatch);
+    const int64_t rows = ((per_microbatch ? plan[2] : plan[3]) + cp - 1) / cp;
+    embedding_grad_->set_step(rows, per_microbatch);
+    gather_signature = {rows, per_microbatch ? 1 : 0};  // (a replay never gathers sizes the others dropped)
   }
   NDT_CHECK(n_tokens > 0, "step {}: the global batch has no loss-bearing tokens", step);
   const float scale = 1.0f / static_cast<float>(n_tokens);
@@ -331,7 +334,7 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   double loss_sum = 0;
   if (graphed) {
     bool ran = false;
-    graph_->run(mbs, scale, [&](const std::vector<Microbatch>& dev) {
+    const auto work = [&](const std::vector<Microbatch>& dev) {
       opt_->discard_early();  // (what a failed capture of this step left)
       engine_->params().zero_grad();
       engine_->train(dev, scale, nullptr, t0_us, nullptr);
@@ -340,7 +343,8 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
       opt_->join_early();
       graph_early_ranges_ = opt_->early_ranges();
       ran = true;
-    });
+    };
+    graph_->run(mbs, scale, work, gather_signature);
     if (!ran) opt_->set_early_ranges(graph_early_ranges_);
     report_graph(step);
   } else {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "cuda/runtime.h"
 #include "data/dataset.h"
 #include "gpu_test.h"
 #include "ops/ops.h"
@@ -78,6 +79,35 @@ TEST(StepGraph, ReplaysEachStepsInputsAndCapturesNewShapes) {
   check(12, false, 2);  // not tried again
   EXPECT_EQ(g.replays(), 3);
   EXPECT_EQ(g.eager_steps(), 5);
+}
+
+// The extra signature (the gathered embedding gradient's agreed sizes) decides like the microbatches' shapes;
+// buffers the work allocates under capture count as device memory (NCCL's buffer checks ask), offsets too.
+TEST(StepGraph, ExtraSignatureAndCaptureAllocations) {
+  NDT_REQUIRE_GPU();
+  Tensor out = Tensor::zeros({kMaxT}, DType::F32, Device::CUDA);
+  int64_t device_checks = 0;
+  auto work = [&](const std::vector<Microbatch>& dev) {
+    Tensor tmp = Tensor::empty({kMaxT, kC}, DType::F32, Device::CUDA);
+    const float* inside = tmp.f32() + 3 * kC + 1;
+    EXPECT_TRUE(cuda::is_device_pointer(tmp.data_ptr()));
+    EXPECT_TRUE(cuda::is_device_pointer(inside));
+    ++device_checks;
+    Tensor d = out.rows(0, dev[0].num_tokens());
+    ops::fill_dloss(d, dev[0].loss_mask, dev[0].loss_scale);
+  };
+  std::vector<float> host_row(4);
+  EXPECT_FALSE(cuda::is_device_pointer(host_row.data()));
+  StepGraph g(/*seqlens_on_host=*/true);
+  const std::vector<Microbatch> mbs = batch(12, 7);
+  EXPECT_FALSE(g.run(mbs, 0.5f, work, {64, 1}));  // eager
+  EXPECT_TRUE(g.run(mbs, 0.5f, work, {64, 1}));   // captured (the work allocates inside), replayed
+  EXPECT_TRUE(g.failure().empty()) << g.failure();
+  EXPECT_FALSE(g.run(mbs, 0.5f, work, {80, 1}));  // same microbatches, other agreed sizes: eager
+  EXPECT_TRUE(g.run(mbs, 0.5f, work, {80, 1}));   // repeated: captured anew
+  EXPECT_EQ(g.captures(), 2);
+  EXPECT_EQ(device_checks, 4);  // 2 eager runs + 2 captures; replays skip the host code
+  EXPECT_EQ(out.rows(0, 12).to_vector<float>(), std::vector<float>(12, 0.5f));
 }
 
 }  // namespace
