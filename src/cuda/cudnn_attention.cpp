@@ -253,11 +253,13 @@ class Graph {
   int64_t next_uid_ = 100;
 };
 
-// dq_row / dkv_row: elements between consecutive tokens' rows of dQ and of dK, dV (H * D and KV * D when
-// they are tensors of their own; the fused q/k/v gradient's width when they are its column blocks).
+// B blocks of Sq query and Sk key rows, qs / ks rows apart (AttentionBlocks); dq_row / dkv_row: elements
+// between consecutive tokens' rows of dQ and of dK, dV (H * D and KV * D when they are tensors of their own;
+// the fused q/k/v gradient's width when they are its column blocks); causal or no mask.
 struct Shape {
-  int64_t B, S, H, KV, D, dq_row, dkv_row;
-  auto key() const { return std::make_tuple(B, S, H, KV, D, dq_row, dkv_row); }
+  int64_t B, Sq, Sk, qs, ks, H, KV, D, dq_row, dkv_row;
+  bool causal;
+  auto key() const { return std::make_tuple(B, Sq, Sk, qs, ks, H, KV, D, dq_row, dkv_row, causal); }
 };
 
 // Variants tried in order: statistics strided like our lse first (no conversion), then packed (B, H, S);
@@ -280,14 +282,14 @@ struct Plan {
 struct Layout {
   Dims q, q_str, kt, kt_str, v, v_str, s, s_str, st, st_str, red_str, dq_str, dkv_str;
   Layout(const Shape& x, bool packed_stats) {
-    const int64_t B = x.B, S = x.S, H = x.H, KV = x.KV, D = x.D;
-    q = {B, H, S, D}, q_str = {S * H * D, D, H * D, 1};
-    dq_str = {S * x.dq_row, D, x.dq_row, 1}, dkv_str = {S * x.dkv_row, D, x.dkv_row, 1};
-    kt = {B, KV, D, S}, kt_str = {S * KV * D, D, 1, KV * D};
-    v = {B, KV, S, D}, v_str = {S * KV * D, D, KV * D, 1};
-    s = {B, H, S, S}, s_str = {H * S * S, S * S, S, 1};
-    st = {B, H, S, 1}, red_str = {H * S, S, 1, 1};
-    st_str = packed_stats ? red_str : Dims{S * H, 1, H, 1};
+    const int64_t B = x.B, Sq = x.Sq, Sk = x.Sk, H = x.H, KV = x.KV, D = x.D, qs = x.qs, ks = x.ks;
+    q = {B, H, Sq, D}, q_str = {qs * H * D, D, H * D, 1};
+    dq_str = {qs * x.dq_row, D, x.dq_row, 1}, dkv_str = {ks * x.dkv_row, D, x.dkv_row, 1};
+    kt = {B, KV, D, Sk}, kt_str = {ks * KV * D, D, 1, KV * D};
+    v = {B, KV, Sk, D}, v_str = {ks * KV * D, D, KV * D, 1};
+    s = {B, H, Sq, Sk}, s_str = {H * Sq * Sk, Sq * Sk, Sk, 1};
+    st = {B, H, Sq, 1}, red_str = {H * Sq, Sq, 1, 1};
+    st_str = packed_stats ? red_str : Dims{qs * H, 1, H, 1};
   }
 };
 
@@ -309,13 +311,13 @@ void build_forward(Graph& g, const Shape& x, Variant var) {
   Tn Q = g.tensor(kQ, bf, L.q, L.q_str, false), K = g.tensor(kK, bf, L.kt, L.kt_str, false);
   Tn V = g.tensor(kV, bf, L.v, L.v_str, false), O = g.tensor(kO, bf, L.q, L.q_str, false);
   Tn stats = g.tensor(kStats, f32, L.st, L.st_str, false);
-  Tn scale = g.scalar(kScale), neg = g.scalar(kNegInf);
+  Tn scale = g.scalar(kScale);
 
   Tn s = g.virt(f32, L.s, L.s_str);
   g.matmul(Q, K, s);
   Tn ss = g.virt(f32, L.s, L.s_str);
   g.pointwise(CUDNN_POINTWISE_MUL, s, ss, &scale);
-  Tn sm = causal(g, L, ss, neg);
+  Tn sm = x.causal ? causal(g, L, ss, g.scalar(kNegInf)) : ss;
   Tn mx = g.virt(f32, L.st, L.red_str);
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, sm, mx);
   Tn sub = g.virt(f32, L.s, L.s_str);
@@ -334,10 +336,10 @@ void build_forward(Graph& g, const Shape& x, Variant var) {
 
 void build_backward(Graph& g, const Shape& x, Variant var) {
   const Layout L(x, var.packed_stats);
-  const int64_t B = x.B, S = x.S, H = x.H, KV = x.KV, D = x.D;
+  const int64_t B = x.B, Sq = x.Sq, Sk = x.Sk, H = x.H, KV = x.KV, D = x.D;
   const auto bf = CUDNN_DATA_BFLOAT16, f32 = CUDNN_DATA_FLOAT;
-  const Dims full = {B, H, S, D}, full_str = {H * S * D, S * D, D, 1};
-  const Dims sT_str = {H * S * S, S * S, 1, S};  // (b, h, kv pos, q pos) view of an (S, S) score block
+  const Dims full = {B, H, Sq, D}, full_str = {H * Sq * D, Sq * D, D, 1};
+  const Dims sT_str = {H * Sq * Sk, Sq * Sk, 1, Sk};  // (b, h, kv pos, q pos) view of an (Sq, Sk) score block
   Tn Q = g.tensor(kQ, bf, L.q, L.q_str, false), K = g.tensor(kK, bf, L.kt, L.kt_str, false);
   Tn V = g.tensor(kV, bf, L.kt, L.kt_str, false);  // V^T, like K
   Tn O = g.tensor(kO, bf, L.q, L.q_str, false), dO = g.tensor(kDO, bf, L.q, L.q_str, false);
@@ -346,10 +348,10 @@ void build_backward(Graph& g, const Shape& x, Variant var) {
   Tn dK = g.tensor(kDK, bf, L.v, L.dkv_str, false), dV = g.tensor(kDV, bf, L.v, L.dkv_str, false);
   Tn dsum = g.tensor(kSum, f32, L.st, L.red_str, false);
   Tn dq_acc = g.tensor(kDqAcc, f32, full, full_str, false);
-  Tn scale = g.scalar(kScale), neg = g.scalar(kNegInf), one = g.scalar(kOne);
+  Tn scale = g.scalar(kScale), one = g.scalar(kOne);
 
   // Dsum = rowsum(dO * O)
-  Tn m = g.virt(f32, full, {H * S * D, S * D, H * D, 1});
+  Tn m = g.virt(f32, full, {H * Sq * D, Sq * D, H * D, 1});
   g.pointwise(CUDNN_POINTWISE_MUL, dO, m, &O);
   Tn r = g.virt(f32, L.st, L.red_str);
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, m, r);
@@ -361,26 +363,26 @@ void build_backward(Graph& g, const Shape& x, Variant var) {
   Tn ss = g.virt(f32, L.s, L.s_str);
   g.pointwise(CUDNN_POINTWISE_MUL, s, ss, &scale);
   Tn pre;
-  if (var.mask_first) {
-    Tn sm = causal(g, L, ss, neg);
+  if (x.causal && var.mask_first) {
+    Tn sm = causal(g, L, ss, g.scalar(kNegInf));
     pre = g.virt(f32, L.s, L.s_str);
     g.pointwise(CUDNN_POINTWISE_SUB, sm, pre, &stats);
   } else {
     Tn sub = g.virt(f32, L.s, L.s_str);
     g.pointwise(CUDNN_POINTWISE_SUB, ss, sub, &stats);
-    pre = causal(g, L, sub, neg);
+    pre = x.causal ? causal(g, L, sub, g.scalar(kNegInf)) : sub;
   }
   Tn p = g.virt(f32, L.s, L.s_str);
   g.pointwise(CUDNN_POINTWISE_EXP, pre, p);
 
   // dV = P^T dO (per query head, then summed over each KV group)
   auto grad_kv = [&](Tn scores, Tn rhs, Tn out) {
-    Tn t = g.virt(bf, {B, H, S, S}, sT_str);
+    Tn t = g.virt(bf, {B, H, Sk, Sq}, sT_str);
     g.reshape(scores, t);
     if (H == KV) {
       g.matmul(t, rhs, out);
     } else {
-      Tn f = g.virt(bf, full, full_str);
+      Tn f = g.virt(bf, {B, H, Sk, D}, {H * Sk * D, Sk * D, D, 1});
       g.matmul(t, rhs, f);
       g.reduction(CUDNN_REDUCE_TENSOR_ADD, f, out);
     }
@@ -422,16 +424,15 @@ std::mutex g_mutex;
 
 // The cached plan for (direction, device, shape), built on first use; nullptr when cuDNN refuses.
 const Plan* plan_for(bool backward, const Shape& x, cudnnHandle_t h) {
-  static std::map<
-      std::tuple<bool, cudnnHandle_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>, Plan>
-      cache;
+  using Key = decltype(std::tuple_cat(std::make_tuple(false, cudnnHandle_t{}), Shape{}.key()));
+  static std::map<Key, Plan> cache;
   const auto key = std::tuple_cat(std::make_tuple(backward, h), x.key());
   auto it = cache.find(key);
   if (it != cache.end()) return it->second.ok ? &it->second : nullptr;
   Plan p;
   std::string why;
   for (const Variant& var : kVariants) {
-    if (!backward && var.mask_first) continue;  // the forward has one mask position
+    if ((!backward || !x.causal) && var.mask_first) continue;  // (one mask position, or none)
     auto g = std::make_unique<Graph>(h);
     try {
       if (backward)
@@ -449,11 +450,11 @@ const Plan* plan_for(bool backward, const Shape& x, cudnnHandle_t h) {
   }
   if (!p.ok)
     std::fprintf(stderr,
-                 "cuDNN attention %s refused B=%lld S=%lld H=%lld KV=%lld D=%lld (%s); using the built-in "
-                 "kernel\n",
-                 backward ? "backward" : "forward", static_cast<long long>(x.B), static_cast<long long>(x.S),
-                 static_cast<long long>(x.H), static_cast<long long>(x.KV), static_cast<long long>(x.D),
-                 why.c_str());
+                 "cuDNN attention %s refused B=%lld Sq=%lld Sk=%lld H=%lld KV=%lld D=%lld %s (%s); using the "
+                 "built-in kernel\n",
+                 backward ? "backward" : "forward", static_cast<long long>(x.B), static_cast<long long>(x.Sq),
+                 static_cast<long long>(x.Sk), static_cast<long long>(x.H), static_cast<long long>(x.KV),
+                 static_cast<long long>(x.D), x.causal ? "causal" : "unmasked", why.c_str());
   else if (std::getenv("NDT_CUDNN_DEBUG"))
     std::fprintf(stderr, "cuDNN attention %s: stats %s, mask %s, workspace %lld bytes\n",
                  backward ? "backward" : "forward", p.variant.packed_stats ? "packed" : "strided",
@@ -480,6 +481,28 @@ void execute(cudnnHandle_t h, const Plan& p, cudaStream_t stream, std::vector<in
 
 int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
 
+bool valid(const AttentionBlocks& b) {
+  return b.B > 0 && b.Sq > 0 && b.Sk > 0 && b.q_stride >= b.Sq && b.k_stride >= b.Sk &&
+         (!b.causal || b.Sq == b.Sk);
+}
+
+Shape shape_of(const AttentionBlocks& b, int64_t H, int64_t KV, int64_t D, int64_t dq_row, int64_t dkv_row) {
+  return Shape{b.B, b.Sq, b.Sk, b.q_stride, b.k_stride, H, KV, D, dq_row, dkv_row, b.causal};
+}
+
+// The packed (B, H, Sq) statistics <-> our lse rows (row b * q_stride + i of (rows, H)), block by block
+// where the blocks are not back to back.
+void stats_to_rows(float* lse, const float* stats, const AttentionBlocks& b, int64_t H, cudaStream_t stream) {
+  if (b.q_stride == b.Sq) return lse_bhs_to_rows(lse, stats, b.B, b.Sq, H, stream);
+  for (int64_t i = 0; i < b.B; ++i)
+    lse_bhs_to_rows(lse + i * b.q_stride * H, stats + i * H * b.Sq, 1, b.Sq, H, stream);
+}
+void rows_to_stats(float* stats, const float* lse, const AttentionBlocks& b, int64_t H, cudaStream_t stream) {
+  if (b.q_stride == b.Sq) return lse_rows_to_bhs(stats, lse, b.B, b.Sq, H, stream);
+  for (int64_t i = 0; i < b.B; ++i)
+    lse_rows_to_bhs(stats + i * H * b.Sq, lse + i * b.q_stride * H, 1, b.Sq, H, stream);
+}
+
 }  // namespace
 
 bool cudnn_attention_enabled() { return g_enabled && api().loaded; }
@@ -489,30 +512,95 @@ std::string cudnn_attention_status() {
 }
 void set_cudnn_attention_enabled(bool on) { g_enabled = on; }
 
-bool cudnn_attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                             const __nv_bfloat16* v, int64_t B, int64_t S, int64_t H, int64_t KV, int64_t D,
-                             float scale, cudaStream_t stream) {
-  if (!usable(D) || B <= 0 || S <= 0 || H % KV != 0) return false;
+bool cudnn_attention_forward_blocks(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q,
+                                    const __nv_bfloat16* k, const __nv_bfloat16* v, const AttentionBlocks& b,
+                                    int64_t H, int64_t KV, int64_t D, float scale, cudaStream_t stream) {
+  if (!usable(D) || !valid(b) || H % KV != 0) return false;
   std::lock_guard<std::mutex> lock(g_mutex);
   cudnnHandle_t h = handle_for_current_device();
   if (!h) return false;
-  const Plan* p = plan_for(false, Shape{B, S, H, KV, D, H * D, KV * D}, h);
+  const Plan* p = plan_for(false, shape_of(b, H, KV, D, H * D, KV * D), h);
   if (!p) return false;
-  const int64_t stats_bytes = p->variant.packed_stats ? align256(B * S * H * 4) : 0;
+  const int64_t stats_bytes = p->variant.packed_stats ? align256(b.B * b.Sq * H * 4) : 0;
   Scratch ws(static_cast<size_t>(align256(p->workspace) + stats_bytes), stream);
   float* stats =
       p->variant.packed_stats ? reinterpret_cast<float*>(ws.as<char>() + align256(p->workspace)) : lse;
   float s = scale, neg = -1e30f;
+  std::vector<int64_t> uids = {kQ, kK, kV, kO, kStats, kScale};
+  std::vector<void*> ptrs = {const_cast<__nv_bfloat16*>(q),
+                             const_cast<__nv_bfloat16*>(k),
+                             const_cast<__nv_bfloat16*>(v),
+                             out,
+                             stats,
+                             &s};
+  if (b.causal) uids.push_back(kNegInf), ptrs.push_back(&neg);
   try {
-    execute(h, *p, stream, {kQ, kK, kV, kO, kStats, kScale, kNegInf},
-            {const_cast<__nv_bfloat16*>(q), const_cast<__nv_bfloat16*>(k), const_cast<__nv_bfloat16*>(v), out,
-             stats, &s, &neg},
-            ws.as<char>());
+    execute(h, *p, stream, uids, ptrs, ws.as<char>());
   } catch (const Refused& r) {
     throw Error(fmt::format("cuDNN attention forward failed: {}", r.what));
   }
-  if (p->variant.packed_stats) lse_bhs_to_rows(lse, stats, B, S, H, stream);
+  if (p->variant.packed_stats) stats_to_rows(lse, stats, b, H, stream);
   return true;
+}
+
+bool cudnn_attention_backward_blocks(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
+                                     const __nv_bfloat16* dout, const __nv_bfloat16* q,
+                                     const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* out,
+                                     const float* lse, const AttentionBlocks& b, int64_t H, int64_t KV,
+                                     int64_t D, float scale, cudaStream_t stream, int64_t dq_row,
+                                     int64_t dkv_row) {
+  if (!usable(D) || !valid(b) || H % KV != 0 || !dq || !dk || !dv) return false;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  cudnnHandle_t h = handle_for_current_device();
+  if (!h) return false;
+  const Plan* p =
+      plan_for(true, shape_of(b, H, KV, D, dq_row > 0 ? dq_row : H * D, dkv_row > 0 ? dkv_row : KV * D), h);
+  if (!p) return false;
+  // workspace | Dsum (B, H, Sq) | dQ accumulator (B, H, Sq, D) fp32 [| packed stats]
+  const int64_t rows = b.B * b.Sq;
+  const int64_t w0 = align256(p->workspace), w1 = align256(rows * H * 4), w2 = align256(rows * H * D * 4);
+  const int64_t w3 = p->variant.packed_stats ? align256(rows * H * 4) : 0;
+  Scratch ws(static_cast<size_t>(w0 + w1 + w2 + w3), stream);
+  float* dsum = reinterpret_cast<float*>(ws.as<char>() + w0);
+  float* acc = reinterpret_cast<float*>(ws.as<char>() + w0 + w1);
+  const float* stats = lse;
+  if (p->variant.packed_stats) {
+    float* packed = reinterpret_cast<float*>(ws.as<char>() + w0 + w1 + w2);
+    rows_to_stats(packed, lse, b, H, stream);
+    stats = packed;
+  }
+  // cuDNN 9.6 and later initialise the dQ accumulator themselves (cudnn-frontend stopped clearing it then).
+  if (api().version() < 90600)
+    NDT_CUDA_CHECK(cudaMemsetAsync(acc, 0, static_cast<size_t>(rows * H * D * 4), stream));
+  float s = scale, neg = -1e30f, one = 1.0f;
+  std::vector<int64_t> uids = {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSum, kDqAcc, kScale, kOne};
+  std::vector<void*> ptrs = {const_cast<__nv_bfloat16*>(q),
+                             const_cast<__nv_bfloat16*>(k),
+                             const_cast<__nv_bfloat16*>(v),
+                             const_cast<__nv_bfloat16*>(out),
+                             const_cast<__nv_bfloat16*>(dout),
+                             const_cast<float*>(stats),
+                             dq,
+                             dk,
+                             dv,
+                             dsum,
+                             acc,
+                             &s,
+                             &one};
+  if (b.causal) uids.push_back(kNegInf), ptrs.push_back(&neg);
+  try {
+    execute(h, *p, stream, uids, ptrs, ws.as<char>());
+  } catch (const Refused& r) {
+    throw Error(fmt::format("cuDNN attention backward failed: {}", r.what));
+  }
+  return true;
+}
+
+bool cudnn_attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                             const __nv_bfloat16* v, int64_t B, int64_t S, int64_t H, int64_t KV, int64_t D,
+                             float scale, cudaStream_t stream) {
+  return cudnn_attention_forward_blocks(out, lse, q, k, v, AttentionBlocks{B, S, S, S, S, true}, H, KV, D,
+                                        scale, stream);
 }
 
 bool cudnn_attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
@@ -520,39 +608,9 @@ bool cudnn_attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat1
                               const __nv_bfloat16* v, const __nv_bfloat16* out, const float* lse, int64_t B,
                               int64_t S, int64_t H, int64_t KV, int64_t D, float scale, cudaStream_t stream,
                               int64_t dq_row, int64_t dkv_row) {
-  if (!usable(D) || B <= 0 || S <= 0 || H % KV != 0 || !dq || !dk || !dv) return false;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  cudnnHandle_t h = handle_for_current_device();
-  if (!h) return false;
-  const Plan* p =
-      plan_for(true, Shape{B, S, H, KV, D, dq_row > 0 ? dq_row : H * D, dkv_row > 0 ? dkv_row : KV * D}, h);
-  if (!p) return false;
-  // workspace | Dsum (B, H, S) | dQ accumulator (B, H, S, D) fp32 [| packed stats]
-  const int64_t w0 = align256(p->workspace), w1 = align256(B * H * S * 4), w2 = align256(B * H * S * D * 4);
-  const int64_t w3 = p->variant.packed_stats ? align256(B * S * H * 4) : 0;
-  Scratch ws(static_cast<size_t>(w0 + w1 + w2 + w3), stream);
-  float* dsum = reinterpret_cast<float*>(ws.as<char>() + w0);
-  float* acc = reinterpret_cast<float*>(ws.as<char>() + w0 + w1);
-  const float* stats = lse;
-  if (p->variant.packed_stats) {
-    float* packed = reinterpret_cast<float*>(ws.as<char>() + w0 + w1 + w2);
-    lse_rows_to_bhs(packed, lse, B, S, H, stream);
-    stats = packed;
-  }
-  // cuDNN 9.6 and later initialise the dQ accumulator themselves (cudnn-frontend stopped clearing it then).
-  if (api().version() < 90600)
-    NDT_CUDA_CHECK(cudaMemsetAsync(acc, 0, static_cast<size_t>(B * H * S * D * 4), stream));
-  float s = scale, neg = -1e30f, one = 1.0f;
-  try {
-    execute(h, *p, stream, {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSum, kDqAcc, kScale, kNegInf, kOne},
-            {const_cast<__nv_bfloat16*>(q), const_cast<__nv_bfloat16*>(k), const_cast<__nv_bfloat16*>(v),
-             const_cast<__nv_bfloat16*>(out), const_cast<__nv_bfloat16*>(dout), const_cast<float*>(stats), dq,
-             dk, dv, dsum, acc, &s, &neg, &one},
-            ws.as<char>());
-  } catch (const Refused& r) {
-    throw Error(fmt::format("cuDNN attention backward failed: {}", r.what));
-  }
-  return true;
+  return cudnn_attention_backward_blocks(dq, dk, dv, dout, q, k, v, out, lse,
+                                         AttentionBlocks{B, S, S, S, S, true}, H, KV, D, scale, stream,
+                                         dq_row, dkv_row);
 }
 
 }  // namespace ndt::cuda
@@ -571,6 +629,17 @@ bool cudnn_attention_backward(__nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, co
                               const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                               const __nv_bfloat16*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t,
                               float, cudaStream_t, int64_t, int64_t) {
+  return false;
+}
+bool cudnn_attention_forward_blocks(__nv_bfloat16*, float*, const __nv_bfloat16*, const __nv_bfloat16*,
+                                    const __nv_bfloat16*, const AttentionBlocks&, int64_t, int64_t, int64_t,
+                                    float, cudaStream_t) {
+  return false;
+}
+bool cudnn_attention_backward_blocks(__nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, const __nv_bfloat16*,
+                                     const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
+                                     const __nv_bfloat16*, const float*, const AttentionBlocks&, int64_t,
+                                     int64_t, int64_t, float, cudaStream_t, int64_t, int64_t) {
   return false;
 }
 }  // namespace ndt::cuda

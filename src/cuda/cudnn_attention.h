@@ -38,6 +38,25 @@ bool cudnn_attention_backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat1
                               int64_t S, int64_t H, int64_t KV, int64_t D, float scale, cudaStream_t stream,
                               int64_t dq_row = 0, int64_t dkv_row = 0);
 
+// Blocks of rows (context parallelism's chunks; the calls above are B blocks of S rows back to back, causal):
+// block b's Sq query rows start at row b * q_stride of q, out, dout, lse and dq, its Sk key rows at row
+// b * k_stride of k, v, dk and dv. causal: query i sees keys j <= i of its block (needs Sq == Sk); else every
+// key of its block. Same contracts otherwise (the backward overwrites dq, dk, dv; rows outside the blocks are
+// neither read nor written).
+struct AttentionBlocks {
+  int64_t B, Sq, Sk, q_stride, k_stride;
+  bool causal;
+};
+bool cudnn_attention_forward_blocks(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q,
+                                    const __nv_bfloat16* k, const __nv_bfloat16* v, const AttentionBlocks& b,
+                                    int64_t H, int64_t KV, int64_t D, float scale, cudaStream_t stream);
+bool cudnn_attention_backward_blocks(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
+                                     const __nv_bfloat16* dout, const __nv_bfloat16* q,
+                                     const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* out,
+                                     const float* lse, const AttentionBlocks& b, int64_t H, int64_t KV,
+                                     int64_t D, float scale, cudaStream_t stream, int64_t dq_row = 0,
+                                     int64_t dkv_row = 0);
+
 // lse layout conversions for the cuDNN statistics tensor: (B*S, H) rows <-> (B, H, S) packed.
 void lse_rows_to_bhs(float* dst, const float* src, int64_t B, int64_t S, int64_t H, cudaStream_t stream);
 void lse_bhs_to_rows(float* dst, const float* src, int64_t B, int64_t S, int64_t H, cudaStream_t stream);

@@ -24,6 +24,7 @@
 #include "gpu_test.h"
 #include "ops/cpu_ops.h"
 #include "ops/ops.h"
+#include "parallel/cp/cp_shard.h"
 
 namespace {
 
@@ -149,6 +150,76 @@ TEST(CudnnAttention, MatchesCpuTwin) {
   check_shape(3, 128, 6, 1, 64, seed++, true);     // MQA
   check_shape(2, 1024, 12, 12, 64, seed++, true);  // GPT-2 124M heads
   check_shape(3, 200, 4, 2, 64, seed++, false);    // not a multiple of 64: used only if right
+}
+
+// The block form (cudnn_attention_*_blocks) on context parallelism's ring steps, against the CPU's general
+// form with the chunks' global positions (cp = 2, two sequences of 4 chunks of c rows): rank r's local rows
+// are chunks r and 3 - r of each sequence, owner o's keys chunks o and 3 - o. Step o == r is causal over the
+// local rows; o < r: every query row sees the owner's first chunk whole; o > r: the second chunk's queries
+// see all of the owner's keys, the first chunk's none (the CPU gives them lse -inf).
+TEST(CudnnAttention, RingBlocksMatchCpuGeneralForm) {
+  NDT_REQUIRE_CUDNN();
+  const int64_t cp = 2, nseq = 2, c = 128, H = 4, KV = 2, D = 64, T = nseq * 2 * c;
+  const float scale = 0.125f;
+  const ndt::Tensor local_cu = ndt::Tensor::from_vector(std::vector<int32_t>{0, 2 * c, 4 * c}, {nseq + 1});
+  uint32_t seed = 40;
+  for (int64_t r = 0; r < cp; ++r)
+    for (int64_t o = 0; o < cp; ++o) {
+      const std::string tag = "ring r" + std::to_string(r) + " o" + std::to_string(o);
+      const std::vector<int32_t> pq = ndt::cp_positions(local_cu, cp, r),
+                                 pk = ndt::cp_positions(local_cu, cp, o);
+      const Vec q = rounded(randv(T * H * D, seed++, 2.f)), k = rounded(randv(T * KV * D, seed++));
+      const Vec v = rounded(randv(T * KV * D, seed++)), dout = rounded(randv(T * H * D, seed++));
+      ndt::cuda::AttentionBlocks b{nseq, 2 * c, 2 * c, 2 * c, 2 * c, true};
+      int64_t q_off = 0;
+      if (o < r) b = {nseq, 2 * c, c, 2 * c, 2 * c, false};
+      if (o > r) b = {nseq, c, 2 * c, 2 * c, 2 * c, false}, q_off = c;
+      Dev<bf16> gq_(q), gk_(k), gv_(v), gdout(dout), gout(T * H * D), dq(T * H * D), dk(T * KV * D),
+          dv(T * KV * D);
+      Dev<float> glse(T * H);
+      ASSERT_TRUE(ndt::cuda::cudnn_attention_forward_blocks(gout.p + q_off * H * D, glse.p + q_off * H,
+                                                            gq_.p + q_off * H * D, gk_.p, gv_.p, b, H, KV, D,
+                                                            scale, nullptr))
+          << tag;
+      Vec ref_out(T * H * D), ref_lse(T * H);
+      const std::vector<int32_t> cu = {0, static_cast<int32_t>(2 * c), static_cast<int32_t>(4 * c)};
+      ndt::cpu::attention_forward(ref_out.data(), ref_lse.data(), q.data(), k.data(), v.data(), cu.data(),
+                                  cu.data(), pq.data(), pk.data(), nseq, T, T, H, KV, D, scale);
+      // The rows the block covers (the rest stay NaN-poisoned on the GPU and see no key on the CPU).
+      Vec out = gout.get(), lse = glse.get(), cov_out, ref_cov_out, cov_lse, ref_cov_lse;
+      for (int64_t t = 0; t < T; ++t) {
+        const bool covered = (t % (2 * c)) >= q_off && (t % (2 * c)) < q_off + b.Sq;
+        for (int64_t h = 0; h < H; ++h) {
+          if (!covered) {
+            EXPECT_EQ(ref_lse[t * H + h], -INFINITY) << tag << " row " << t;
+            lse[t * H + h] = -INFINITY;
+            for (int64_t d = 0; d < D; ++d) out[(t * H + h) * D + d] = 0.f;
+            continue;
+          }
+          cov_lse.push_back(lse[t * H + h]), ref_cov_lse.push_back(ref_lse[t * H + h]);
+          for (int64_t d = 0; d < D; ++d)
+            cov_out.push_back(out[(t * H + h) * D + d]), ref_cov_out.push_back(ref_out[(t * H + h) * D + d]);
+        }
+      }
+      expect_close(tag + " out", cov_out, ref_cov_out, 1e-2);
+      expect_close(tag + " lse", cov_lse, ref_cov_lse, 1e-4);
+      // Backward from the GPU's out and lse on both sides (uncovered rows: out 0, lse -inf, no key).
+      Vec rq(T * H * D, 0.f), rk(T * KV * D, 0.f), rv(T * KV * D, 0.f);
+      ndt::cpu::attention_backward(rq.data(), rk.data(), rv.data(), dout.data(), q.data(), k.data(), v.data(),
+                                   out.data(), lse.data(), cu.data(), cu.data(), pq.data(), pk.data(), nseq,
+                                   T, T, H, KV, D, scale);
+      // (rows outside the blocks are not written: 0 like the CPU's)
+      NDT_CUDA_CHECK(cudaMemset(dq.p, 0, sizeof(bf16) * T * H * D));
+      NDT_CUDA_CHECK(cudaMemset(dk.p, 0, sizeof(bf16) * T * KV * D));
+      NDT_CUDA_CHECK(cudaMemset(dv.p, 0, sizeof(bf16) * T * KV * D));
+      ASSERT_TRUE(ndt::cuda::cudnn_attention_backward_blocks(
+          dq.p + q_off * H * D, dk.p, dv.p, gdout.p + q_off * H * D, gq_.p + q_off * H * D, gk_.p, gv_.p,
+          gout.p + q_off * H * D, glse.p + q_off * H, b, H, KV, D, scale, nullptr))
+          << tag;
+      expect_close(tag + " dq", dq.get(), rq, 1e-2);
+      expect_close(tag + " dk", dk.get(), rk, 1e-2);
+      expect_close(tag + " dv", dv.get(), rv, 1e-2);
+    }
 }
 
 // Tensor level: ops::attention_* take cuDNN for equal-length segments and agree with the built-in

@@ -7,6 +7,13 @@
 #include "ops/ops.h"
 #include "parallel/cp/cp_shard.h"
 
+#ifdef NDT_HAVE_CUDA
+#include <cuda_bf16.h>
+
+#include "cuda/cudnn_attention.h"
+#include "cuda/runtime.h"
+#endif
+
 namespace ndt {
 namespace {
 
@@ -38,6 +45,115 @@ void full_key_meta(const Tensor& local_cu, int64_t cp, Tensor& cu_k, Tensor& pos
   for (int64_t s = 0; s < nseq; ++s)
     for (int32_t i = 0; i < cu_k.i32()[s + 1] - cu_k.i32()[s]; ++i) pos.push_back(i);
   pos_k = Tensor::from_vector(pos, {static_cast<int64_t>(pos.size())});
+}
+
+// ---- the ring's steps through cuDNN's fused attention ----
+// Where every sequence of the microbatch holds 2c local rows (equal blocks) in bf16 on the GPU. Each
+// sequence's local rows are its chunks r and 2cp-1-r, in order; the keys of owner o its chunks o and
+// 2cp-1-o. So step 0 (o = r) is causal attention over the local rows; a later step sees whole chunks: when
+// o < r every query row sees the owner's first chunk and nothing of its second; when o > r only the second
+// chunk's queries see keys, all of the owner's.
+struct RingBlock {
+  int64_t q_off = 0, k_off = 0;  // the first block's query and key rows
+#ifdef NDT_HAVE_CUDA
+  cuda::AttentionBlocks b{};
+#endif
+};
+
+// The chunk length c, or 0 where the cuDNN form does not apply.
+int64_t cudnn_ring_chunk(const Microbatch& mb, const Tensor& q) {
+#ifdef NDT_HAVE_CUDA
+  if (q.device() != Device::CUDA || q.dtype() != DType::BF16 || !cuda::cudnn_attention_enabled()) return 0;
+  const int32_t* cu = mb.cu_seqlens.i32();
+  const int64_t len = cu[1] - cu[0];
+  if (mb.nseq <= 0 || len <= 0 || len % 2 != 0) return 0;
+  for (int64_t s = 1; s < mb.nseq; ++s)
+    if (cu[s + 1] - cu[s] != len) return 0;
+  return len / 2;
+#else
+  (void)mb, (void)q;
+  return 0;
+#endif
+}
+
+RingBlock ring_block(int64_t nseq, int64_t c, int64_t r, int64_t owner) {
+  RingBlock rb;
+#ifdef NDT_HAVE_CUDA
+  if (owner == r)
+    rb.b = {nseq, 2 * c, 2 * c, 2 * c, 2 * c, true};
+  else if (owner < r)
+    rb.b = {nseq, 2 * c, c, 2 * c, 2 * c, false};
+  else
+    rb.b = {nseq, c, 2 * c, 2 * c, 2 * c, false}, rb.q_off = c;
+#else
+  (void)nseq, (void)c, (void)r, (void)owner;
+#endif
+  return rb;
+}
+
+#ifdef NDT_HAVE_CUDA
+using bf16 = __nv_bfloat16;
+bf16* rows_of(const Tensor& t, int64_t row) {
+  return static_cast<bf16*>(const_cast<void*>(t.data_ptr())) + row * (t.numel() / t.size(0));
+}
+float* lse_rows_of(const Tensor& t, int64_t row) {
+  return static_cast<float*>(const_cast<void*>(t.data_ptr())) + row * (t.numel() / t.size(0));
+}
+#endif
+
+// o, l = attention of q's block rows over the block's keys (other rows untouched); false where cuDNN refuses.
+bool cudnn_ring_forward(Tensor& o, Tensor& l, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const RingBlock& rb, float scale) {
+#ifdef NDT_HAVE_CUDA
+  return cuda::cudnn_attention_forward_blocks(
+      rows_of(o, rb.q_off), lse_rows_of(l, rb.q_off), rows_of(q, rb.q_off), rows_of(k, rb.k_off),
+      rows_of(v, rb.k_off), rb.b, q.size(1), k.size(1), q.size(2), scale, cuda::stream());
+#else
+  (void)o, (void)l, (void)q, (void)k, (void)v, (void)rb, (void)scale;
+  return false;
+#endif
+}
+
+// dq, dk, dv += the block's gradients (through zeroed scratch: cuDNN overwrites); false where it refuses.
+bool cudnn_ring_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
+                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                         const RingBlock& rb, float scale) {
+#ifdef NDT_HAVE_CUDA
+  Tensor gq = Tensor::zeros(dq.shape(), dq.dtype(), dq.device()),
+         gk = Tensor::zeros(dk.shape(), dk.dtype(), dk.device()),
+         gv = Tensor::zeros(dv.shape(), dv.dtype(), dv.device());
+  if (!cuda::cudnn_attention_backward_blocks(
+          rows_of(gq, rb.q_off), rows_of(gk, rb.k_off), rows_of(gv, rb.k_off), rows_of(dout, rb.q_off),
+          rows_of(q, rb.q_off), rows_of(k, rb.k_off), rows_of(v, rb.k_off), rows_of(out, rb.q_off),
+          lse_rows_of(lse, rb.q_off), rb.b, q.size(1), k.size(1), q.size(2), scale, cuda::stream()))
+    return false;
+  ops::add_(dq, gq);
+  ops::add_(dk, gk);
+  ops::add_(dv, gv);
+  return true;
+#else
+  (void)dq, (void)dk, (void)dv, (void)dout, (void)q, (void)k, (void)v, (void)out, (void)lse, (void)rb,
+      (void)scale;
+  return false;
+#endif
+}
+
+// Merges a step's (o, l) into (out, lse) over the step's query rows (the block's rows of every sequence).
+void merge_block_rows(Tensor& out, Tensor& lse, const Tensor& o, const Tensor& l, const RingBlock& rb,
+                      int64_t nseq, int64_t c) {
+#ifdef NDT_HAVE_CUDA
+  if (rb.b.Sq == 2 * c) {
+    ops::attention_merge(out, lse, o, l);
+    return;
+  }
+  for (int64_t s = 0; s < nseq; ++s) {
+    const int64_t first = s * 2 * c + rb.q_off, n = rb.b.Sq;
+    Tensor od = out.rows(first, n), ld = lse.rows(first, n);
+    ops::attention_merge(od, ld, o.rows(first, n), l.rows(first, n));
+  }
+#else
+  (void)out, (void)lse, (void)o, (void)l, (void)rb, (void)nseq, (void)c;
+#endif
 }
 
 }  // namespace
@@ -83,14 +199,21 @@ void CpAttention::attention_forward(const Microbatch& mb, const Tensor& q, const
   Tensor kb = k.clone(), vb = v.clone();
   Tensor o = Tensor::empty(out.shape(), out.dtype(), out.device()),
          l = Tensor::empty(lse.shape(), DType::F32, lse.device());
+  const int64_t c = cudnn_ring_chunk(mb, q);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t owner = (r - i + n) % n;
-    const std::vector<int32_t> p = cp_positions(mb.cu_seqlens, n, owner);
-    Tensor pos_k = Tensor::from_vector(p, {static_cast<int64_t>(p.size())});
     Tensor& dst_o = i == 0 ? out : o;
     Tensor& dst_l = i == 0 ? lse : l;
-    ops::attention_forward(dst_o, dst_l, q, kb, vb, mb.cu_seqlens, mb.cu_seqlens, mb.positions, pos_k, scale);
-    if (i > 0) ops::attention_merge(out, lse, o, l);
+    const RingBlock rb = ring_block(mb.nseq, c, r, owner);
+    if (c > 0 && cudnn_ring_forward(dst_o, dst_l, q, kb, vb, rb, scale)) {
+      if (i > 0) merge_block_rows(out, lse, o, l, rb, mb.nseq, c);
+    } else {
+      const std::vector<int32_t> p = cp_positions(mb.cu_seqlens, n, owner);
+      Tensor pos_k = Tensor::from_vector(p, {static_cast<int64_t>(p.size())});
+      ops::attention_forward(dst_o, dst_l, q, kb, vb, mb.cu_seqlens, mb.cu_seqlens, mb.positions, pos_k,
+                             scale);
+      if (i > 0) ops::attention_merge(out, lse, o, l);
+    }
     if (i + 1 < n) ring_shift({&kb, &vb});
   }
 }
@@ -121,12 +244,16 @@ void CpAttention::attention_backward(const Microbatch& mb, const Tensor& dout, c
   }
   Tensor kb = k.clone(), vb = v.clone(), dkb = Tensor::zeros(k.shape(), k.dtype(), k.device()),
          dvb = Tensor::zeros(v.shape(), v.dtype(), v.device());
+  const int64_t c = cudnn_ring_chunk(mb, q);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t owner = (r - i + n) % n;
-    const std::vector<int32_t> p = cp_positions(mb.cu_seqlens, n, owner);
-    Tensor pos_k = Tensor::from_vector(p, {static_cast<int64_t>(p.size())});
-    ops::attention_backward(dq, dkb, dvb, dout, q, kb, vb, out, lse, mb.cu_seqlens, mb.cu_seqlens,
-                            mb.positions, pos_k, scale);
+    if (c == 0 || !cudnn_ring_backward(dq, dkb, dvb, dout, q, kb, vb, out, lse,
+                                       ring_block(mb.nseq, c, r, owner), scale)) {
+      const std::vector<int32_t> p = cp_positions(mb.cu_seqlens, n, owner);
+      Tensor pos_k = Tensor::from_vector(p, {static_cast<int64_t>(p.size())});
+      ops::attention_backward(dq, dkb, dvb, dout, q, kb, vb, out, lse, mb.cu_seqlens, mb.cu_seqlens,
+                              mb.positions, pos_k, scale);
+    }
     if (i + 1 < n)
       ring_shift({&kb, &vb, &dkb, &dvb});
     else if (n > 1)
