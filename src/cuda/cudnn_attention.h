@@ -1,7 +1,7 @@
 #pragma once
 // Causal attention through cuDNN's fused flash-attention engines (cuDNN 9 backend graph API), for the
 // training hot path: bf16, `B` sequences of equal length `S` packed back to back (THD rows, t = b*S + s),
-// no explicit positions (ring CP's chunks take the block form below). Same layouts and semantics as
+// no explicit positions (CP's chunks take the block form below). Same layouts and semantics as
 // cuda::attention_forward/backward (flash_attention.h): q/out (B*S, H, D), k/v (B*S, KV, D), lse (B*S, H)
 // fp32 natural-log sum-exp of the scaled scores, so either kernel's forward feeds the other's backward.
 //

@@ -6,7 +6,8 @@
 # order, so one GPU reproduces itself bit for bit). One row allows 3e-4 for gradients: its 8-layer model's
 # last attention q/k gradients nearly cancel at steps 3-4, and any two layouts differ there by up to 2.8e-4,
 # on the CPU as on the GPU, dp2 and tp2 alike (docs/gpu.md, Tests).
-# Two rows run bf16 instead (cp2_bf16, cp4_bf16: cuDNN's ring steps), with bf16 tolerances given at the row.
+# Four rows run bf16 instead (cp2/cp4, ring and all-gather: cuDNN's CP blocks), with bf16 tolerances given at
+# the row.
 # The tiny configs get head dim 64 (the flash-attention kernels take 64 or 128).
 # Rows needing more GPUs than this machine has are listed as not run; no GPU at all: exit 77 (skip).
 # SHARE_GPU=1: every row runs, its ranks sharing the GPUs there are, with train.device_comm=mpi (device
@@ -57,11 +58,13 @@ rows=(
   "pp2_cp2_packed        4      parallel.pp=2 parallel.cp=2 train.micro_batch=2 ${packed[*]}"
   "pp4_v2_packed         4      parallel.pp=4 parallel.virtual_stages=2 parallel.schedule=interleaved model.n_layers=8 train.micro_batch=2 ${packed[*]}"
   "pp2_tp2_cp2_packed    8      parallel.pp=2 parallel.tp=2 parallel.cp=2 train.micro_batch=2 ${packed[*]}"
-  # bf16 ring CP: equal-length sequences take cuDNN's fused attention for every ring step (the fp32 rows
-  # above run the built-in kernel); 256 tokens, so each rank's chunks hold 64 / 32 rows. bf16 tolerances
-  # below.
+  # bf16 CP: equal-length sequences take cuDNN's fused attention for every ring step and every all-gather
+  # block (the fp32 rows above run the built-in kernel); 256 tokens, so each rank's chunks hold 64 / 32
+  # rows. bf16 tolerances below.
   "cp2_bf16              2      parallel.cp=2 ${bf16[*]}"
   "cp4_bf16              4      parallel.cp=4 ${bf16[*]}"
+  "cp2_allgather_bf16    2      parallel.cp=2 parallel.cp_attention=allgather ${bf16[*]}"
+  "cp4_allgather_bf16    4      parallel.cp=4 parallel.cp_attention=allgather ${bf16[*]}"
   # Mixture-of-Experts with expert parallelism (EP folds onto DP x CP).
   "moe_ep2               2      ${moe[*]} parallel.dp=2 parallel.ep=2"
   "moe_cp2_ep2_packed    2      ${moe[*]} parallel.cp=2 parallel.ep=2 ${packed[*]}"

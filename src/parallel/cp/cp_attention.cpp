@@ -76,6 +76,30 @@ int64_t cudnn_ring_chunk(const Microbatch& mb, const Tensor& q) {
 #endif
 }
 
+// All-gather CP's blocks for cuDNN: each local chunk a (rank r's chunks r and 2cp-1-r, query rows 0 and c of
+// a sequence's 2c) sees the full sequence's keys (cp * 2c rows, in order) before its own chunk, all of them
+// (unmasked), and its own chunk's keys causally. The causal blocks come first: their query rows are
+// disjoint, so they write the output; the unmasked ones then merge into it.
+std::vector<RingBlock> allgather_blocks(int64_t nseq, int64_t c, int64_t cp, int64_t r) {
+  std::vector<RingBlock> diag, before;
+#ifdef NDT_HAVE_CUDA
+  const int64_t L = 2 * cp * c;
+  for (auto [q_off, a] : {std::pair<int64_t, int64_t>{0, r}, {c, 2 * cp - 1 - r}}) {
+    RingBlock d;
+    d.b = {nseq, c, c, 2 * c, L, true}, d.q_off = q_off, d.k_off = a * c;
+    diag.push_back(d);
+    if (a == 0) continue;
+    RingBlock u;
+    u.b = {nseq, c, a * c, 2 * c, L, false}, u.q_off = q_off, u.k_off = 0;
+    before.push_back(u);
+  }
+#else
+  (void)nseq, (void)c, (void)cp, (void)r;
+#endif
+  diag.insert(diag.end(), before.begin(), before.end());
+  return diag;
+}
+
 RingBlock ring_block(int64_t nseq, int64_t c, int64_t r, int64_t owner) {
   RingBlock rb;
 #ifdef NDT_HAVE_CUDA
@@ -191,6 +215,17 @@ void CpAttention::attention_forward(const Microbatch& mb, const Tensor& q, const
   if (mode_ == Mode::AllGather) {
     const std::vector<int64_t> order = full_order(mb.cu_seqlens, n, T);
     Tensor kf = ops::gather_rows(all_gather_rows(k), order), vf = ops::gather_rows(all_gather_rows(v), order);
+    if (const int64_t c = cudnn_ring_chunk(mb, q); c > 0) {
+      Tensor o = Tensor::empty(out.shape(), out.dtype(), out.device()),
+             l = Tensor::empty(lse.shape(), DType::F32, lse.device());
+      bool ok = true;
+      for (const RingBlock& rb : allgather_blocks(mb.nseq, c, n, r)) {
+        const bool causal = rb.q_off == 0 ? rb.k_off == r * c : rb.k_off == (2 * n - 1 - r) * c;
+        if (!(ok = cudnn_ring_forward(causal ? out : o, causal ? lse : l, q, kf, vf, rb, scale))) break;
+        if (!causal) merge_block_rows(out, lse, o, l, rb, mb.nseq, c);
+      }
+      if (ok) return;
+    }
     Tensor cu_k, pos_k;
     full_key_meta(mb.cu_seqlens, n, cu_k, pos_k);
     ops::attention_forward(out, lse, q, kf, vf, mb.cu_seqlens, cu_k, mb.positions, pos_k, scale);
@@ -229,8 +264,21 @@ void CpAttention::attention_backward(const Microbatch& mb, const Tensor& dout, c
     full_key_meta(mb.cu_seqlens, n, cu_k, pos_k);
     Tensor dkf = Tensor::zeros(kf.shape(), kf.dtype(), kf.device()),
            dvf = Tensor::zeros(vf.shape(), vf.dtype(), vf.device());
-    ops::attention_backward(dq, dkf, dvf, dout, q, kf, vf, out, lse, mb.cu_seqlens, cu_k, mb.positions, pos_k,
-                            scale);
+    bool done = false;
+    if (const int64_t c = cudnn_ring_chunk(mb, q); c > 0) {
+      Tensor dq_c =
+          Tensor::zeros(dq.shape(), dq.dtype(), dq.device());  // added to dq only if every block ran
+      done = true;
+      for (const RingBlock& rb : allgather_blocks(mb.nseq, c, n, r))
+        if (!(done = cudnn_ring_backward(dq_c, dkf, dvf, dout, q, kf, vf, out, lse, rb, scale))) break;
+      if (done)
+        ops::add_(dq, dq_c);
+      else
+        dkf.zero_(), dvf.zero_();
+    }
+    if (!done)
+      ops::attention_backward(dq, dkf, dvf, dout, q, kf, vf, out, lse, mb.cu_seqlens, cu_k, mb.positions,
+                              pos_k, scale);
     // Back to rank-major order, then each owner receives the sum of every rank's contribution.
     for (auto [full, local] : {std::pair<Tensor*, Tensor*>{&dkf, &dk}, {&dvf, &dv}}) {
       Shape gshape = full->shape();
