@@ -57,6 +57,9 @@ struct RingBlock {
   int64_t q_off = 0, k_off = 0;  // the first block's query and key rows
 #ifdef NDT_HAVE_CUDA
   cuda::AttentionBlocks b{};
+  bool causal() const { return b.causal; }
+#else
+  bool causal() const { return false; }
 #endif
 };
 
@@ -116,12 +119,10 @@ RingBlock ring_block(int64_t nseq, int64_t c, int64_t r, int64_t owner) {
 }
 
 #ifdef NDT_HAVE_CUDA
-using bf16 = __nv_bfloat16;
-bf16* rows_of(const Tensor& t, int64_t row) {
-  return static_cast<bf16*>(const_cast<void*>(t.data_ptr())) + row * (t.numel() / t.size(0));
-}
-float* lse_rows_of(const Tensor& t, int64_t row) {
-  return static_cast<float*>(const_cast<void*>(t.data_ptr())) + row * (t.numel() / t.size(0));
+// Row `row` of t (bf16 activations, or E = float for the lse).
+template <typename E = __nv_bfloat16>
+E* rows_of(const Tensor& t, int64_t row) {
+  return static_cast<E*>(const_cast<void*>(t.data_ptr())) + row * (t.numel() / t.size(0));
 }
 #endif
 
@@ -130,7 +131,7 @@ bool cudnn_ring_forward(Tensor& o, Tensor& l, const Tensor& q, const Tensor& k, 
                         const RingBlock& rb, float scale) {
 #ifdef NDT_HAVE_CUDA
   return cuda::cudnn_attention_forward_blocks(
-      rows_of(o, rb.q_off), lse_rows_of(l, rb.q_off), rows_of(q, rb.q_off), rows_of(k, rb.k_off),
+      rows_of(o, rb.q_off), rows_of<float>(l, rb.q_off), rows_of(q, rb.q_off), rows_of(k, rb.k_off),
       rows_of(v, rb.k_off), rb.b, q.size(1), k.size(1), q.size(2), scale, cuda::stream());
 #else
   (void)o, (void)l, (void)q, (void)k, (void)v, (void)rb, (void)scale;
@@ -149,7 +150,7 @@ bool cudnn_ring_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
   if (!cuda::cudnn_attention_backward_blocks(
           rows_of(gq, rb.q_off), rows_of(gk, rb.k_off), rows_of(gv, rb.k_off), rows_of(dout, rb.q_off),
           rows_of(q, rb.q_off), rows_of(k, rb.k_off), rows_of(v, rb.k_off), rows_of(out, rb.q_off),
-          lse_rows_of(lse, rb.q_off), rb.b, q.size(1), k.size(1), q.size(2), scale, cuda::stream()))
+          rows_of<float>(lse, rb.q_off), rb.b, q.size(1), k.size(1), q.size(2), scale, cuda::stream()))
     return false;
   ops::add_(dq, gq);
   ops::add_(dk, gk);
@@ -220,9 +221,9 @@ void CpAttention::attention_forward(const Microbatch& mb, const Tensor& q, const
              l = Tensor::empty(lse.shape(), DType::F32, lse.device());
       bool ok = true;
       for (const RingBlock& rb : allgather_blocks(mb.nseq, c, n, r)) {
-        const bool causal = rb.q_off == 0 ? rb.k_off == r * c : rb.k_off == (2 * n - 1 - r) * c;
-        if (!(ok = cudnn_ring_forward(causal ? out : o, causal ? lse : l, q, kf, vf, rb, scale))) break;
-        if (!causal) merge_block_rows(out, lse, o, l, rb, mb.nseq, c);
+        if (!(ok = cudnn_ring_forward(rb.causal() ? out : o, rb.causal() ? lse : l, q, kf, vf, rb, scale)))
+          break;
+        if (!rb.causal()) merge_block_rows(out, lse, o, l, rb, mb.nseq, c);
       }
       if (ok) return;
     }
