@@ -63,6 +63,17 @@ int64_t Tensor::size(int64_t d) const {
   return shape_[static_cast<size_t>(d)];
 }
 
+Tensor Tensor::adopt(std::shared_ptr<uint8_t> storage, Shape shape, DType dt, Device dev) {
+  NDT_CHECK(storage, "Tensor::adopt: no storage");
+  Tensor t;
+  t.numel_ = shape_numel(shape);
+  t.shape_ = std::move(shape);
+  t.dtype_ = dt;
+  t.device_ = dev;
+  t.storage_ = std::move(storage);
+  return t;
+}
+
 Tensor Tensor::empty(Shape shape, DType dt, Device dev) {
   Tensor t;
   t.numel_ = shape_numel(shape);

@@ -56,6 +56,8 @@ class Tensor {
   static Tensor empty(Shape shape, DType dt = DType::F32, Device dev = Device::CPU);
   static Tensor zeros(Shape shape, DType dt = DType::F32, Device dev = Device::CPU);
   static Tensor full(Shape shape, float value);
+  // A tensor over memory allocated elsewhere (its deleter frees it): at least nbytes of `dev` memory.
+  static Tensor adopt(std::shared_ptr<uint8_t> storage, Shape shape, DType dt, Device dev);
   // Copies host data into a new CPU tensor.
   template <typename T>
   static Tensor from_vector(const std::vector<T>& v, Shape shape) {

@@ -1,6 +1,7 @@
 #include "cuda/runtime.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -300,12 +301,18 @@ int current_device() {
   return dev;
 }
 
+namespace {
+std::atomic<int64_t> g_external_bytes{0};
+}
+void add_external_bytes(int64_t delta) noexcept { g_external_bytes += delta; }
+
 MemoryStats memory_stats() {
   DeviceState& s = state();
   MemoryStats m;
   uint64_t used_high = 0, reserved_high = 0;
   NDT_CUDA_CHECK(cudaMemPoolGetAttribute(s.pool, cudaMemPoolAttrUsedMemHigh, &used_high));
-  used_high = std::max(used_high, g_capture_mem.peak);
+  used_high =
+      std::max(used_high, g_capture_mem.peak) + static_cast<uint64_t>(std::max<int64_t>(g_external_bytes, 0));
   NDT_CUDA_CHECK(cudaMemPoolGetAttribute(s.pool, cudaMemPoolAttrReservedMemHigh, &reserved_high));
   size_t free_b = 0, total_b = 0;
   NDT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));

@@ -134,6 +134,9 @@ struct MemoryStats {
   double device_total_gib = 0;
 };
 MemoryStats memory_stats();
+// Device memory held outside the pool (NCCL-registered buffers): memory_stats() adds the live total to the
+// pool's peak (such buffers are made at start-up and live as long as the run).
+void add_external_bytes(int64_t delta) noexcept;
 void reset_peak_memory();
 
 // Optional phase timing with CUDA events (for profiling; enabled by NDT_CUDA_PROFILE=1 in the

@@ -217,6 +217,15 @@ class NcclComm final : public NcclCommunicator {
     return std::make_unique<Handle>(compute_, stream_, size());
   }
 
+  std::shared_ptr<void> register_window(void* buf, size_t bytes) override {
+    NDT_CHECK(comm_, "register_window: the communicator was aborted");
+    ncclWindow_t win = nullptr;
+    NDT_NCCL(ncclCommWindowRegister(comm_, buf, bytes, &win, NCCL_WIN_COLL_SYMMETRIC));
+    return std::shared_ptr<void>(win, [this](void* w) {
+      if (comm_) ncclCommWindowDeregister(comm_, static_cast<ncclWindow_t>(w));
+    });
+  }
+
   void broadcast(void* buf, int64_t count, DType dt, int root) override {
     check_peer(root, "broadcast root");
     if (count == 0) return;
@@ -449,6 +458,20 @@ std::unique_ptr<Communicator> make_nccl_communicator(Communicator& mpi_group, in
 }
 
 NcclCommunicator* as_nccl(Communicator* c) { return dynamic_cast<NcclCommunicator*>(c); }
+
+Tensor nccl_device_zeros(const Shape& shape, DType dt) {
+  const size_t bytes = std::max<size_t>(static_cast<size_t>(shape_numel(shape)) * dtype_size(dt), 1);
+  void* p = nullptr;
+  NDT_NCCL(ncclMemAlloc(&p, bytes));
+  cuda::add_external_bytes(static_cast<int64_t>(bytes));
+  std::shared_ptr<uint8_t> storage(static_cast<uint8_t*>(p), [bytes](uint8_t* q) {
+    if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();  // (teardown: kernels may still read it)
+    ncclMemFree(q);
+    cuda::add_external_bytes(-static_cast<int64_t>(bytes));
+  });
+  cuda::memset_zero(p, bytes);
+  return Tensor::adopt(std::move(storage), shape, dt, Device::CUDA);
+}
 
 }  // namespace ndt
 

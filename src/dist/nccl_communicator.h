@@ -36,6 +36,7 @@
 
 #include <memory>
 
+#include "core/tensor.h"
 #include "dist/communicator.h"
 
 namespace ndt {
@@ -58,7 +59,18 @@ class NcclCommunicator : public Communicator {
   // it was. ZeRO-1 reduces each finished gradient range to the rank that owns it.
   virtual std::unique_ptr<CommHandle> reduce_async(void* buf, int64_t count, DType dt, ReduceOp op,
                                                    int root) = 0;
+  // Registers [buf, buf + bytes) as a symmetric window of this communicator (ncclCommWindowRegister;
+  // collective, the same size on every rank): collectives on buffers inside it run NCCL's symmetric
+  // kernels, which read and write the peers' memory directly with fewer SMs than its staged ones. The
+  // memory must come from nccl_device_zeros; buffers passed to one collective must lie at the same offset
+  // in the window on every rank. The token deregisters when released: release it before the communicator
+  // and the memory go.
+  virtual std::shared_ptr<void> register_window(void* buf, size_t bytes) = 0;
 };
+
+// Zeroed device memory from ncclMemAlloc (CUDA's virtual memory API, on the current device), which
+// register_window accepts. Its bytes count in cuda::memory_stats()'s peak as long as it lives.
+Tensor nccl_device_zeros(const Shape& shape, DType dt);
 
 // Collective over `mpi_group` (which must be an MPI-backed communicator: it carries the bootstrap and
 // the host-buffer calls; the new communicator keeps its own duplicate of it). `device` is this rank's

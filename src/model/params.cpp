@@ -188,6 +188,17 @@ void ParamStore::to_device(Device dev, DType compute) {
   refresh_compute();
 }
 
+void ParamStore::adopt_grads(Tensor storage) {
+  NDT_CHECK(
+      storage.shape() == flat_grads_.shape() && storage.dtype() == DType::F32 && storage.device() == device_,
+      "adopt_grads: {} {} on {} for grads {} f32 on {}", shape_str(storage.shape()),
+      dtype_name(storage.dtype()), device_name(storage.device()), shape_str(flat_grads_.shape()),
+      device_name(device_));
+  for (size_t i = 0; i < params_.size(); ++i)
+    params_[i]->grad = storage.view_at(offsets_[i], params_[i]->grad.shape());
+  flat_grads_ = std::move(storage);
+}
+
 void ParamStore::refresh_compute() {
   if (flat_compute_.defined()) ops::cast_into(flat_compute_, flat_values_);
 }

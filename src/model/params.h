@@ -85,6 +85,9 @@ class ParamStore {
   void to_device(Device dev, DType compute);
   Device device() const { return device_; }
   DType compute_dtype() const { return compute_dtype_; }
+  // Puts the flat grads in `storage` (same shape, dtype F32, on the store's device; zeroed by the caller)
+  // and re-points every Param::grad into it: DP registers NCCL memory for zero-copy reductions.
+  void adopt_grads(Tensor storage);
   // Re-derives the compute copy from the values (after they were written other than by the optimizer).
   void refresh_compute();
   // Runs fn with every Param::value a host f32 tensor: itself on the CPU; on CUDA views of one host copy

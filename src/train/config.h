@@ -149,6 +149,10 @@ struct ParallelConfig {
   // microbatch and add them on each (parallel/dp/gathered_embedding_grad.h), "all_reduce" the table with the
   // other gradients, or "auto": gather on GPUs for untied tables when that moves at most half the bytes.
   std::string dp_embedding_grad = "auto";
+  // GPUs over NCCL: the flat gradients in NCCL memory registered as a symmetric window on the gradient
+  // group, so that NCCL reduces them with its symmetric kernels (fewer SMs taken from the backward beside
+  // it); false: ordinary device memory.
+  bool dp_grad_window = true;
   int64_t virtual_stages = 1;
   std::string schedule = "1f1b";
   std::string cp_attention = "ring";  // context parallel attention: "ring" (P2P) or "allgather"

@@ -19,6 +19,9 @@
 #include "cuda/cudnn_attention.h"
 #include "cuda/runtime.h"
 #endif
+#ifdef NDT_HAVE_NCCL
+#include "dist/nccl_communicator.h"
+#endif
 
 namespace ndt {
 namespace {
@@ -99,6 +102,7 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
     }
     engine_->params().to_device(Device::CUDA,
                                 cfg_.train.effective_precision() == "bf16" ? DType::BF16 : DType::F32);
+    register_grads_with_nccl();
 #else
     NDT_FAIL("train.device is cuda but this ndtrain was built without the CUDA backend");
 #endif
@@ -129,6 +133,31 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
     const bool cudnn = cfg_.train.effective_precision() == "bf16" && cuda::cudnn_attention_enabled();
     graph_ = std::make_unique<StepGraph>(/*seqlens_on_host=*/cudnn);
   }
+#endif
+}
+
+void Trainer::register_grads_with_nccl() {
+#ifdef NDT_HAVE_NCCL
+  NcclCommunicator* nc = as_nccl(c_.grad);
+  if (!cfg_.parallel.dp_grad_window || !nc || nc->size() < 2) return;
+  ParamStore& ps = engine_->params();
+  // ncclMemAlloc needs CUDA's virtual memory management: where a rank lacks it, every rank keeps the pool.
+  Tensor grads;
+  Status st = Status::ok();
+  try {
+    grads = nccl_device_zeros(ps.flat_grads().shape(), DType::F32);
+  } catch (const std::exception& e) {
+    st = Status::error(e.what());
+  }
+  st = agree(st, *nc);
+  if (!st.is_ok()) {
+    if (c_.world->rank() == 0)
+      std::printf("parallel.dp_grad_window: gradients stay in ordinary device memory (%s)\n",
+                  st.message().c_str());
+    return;
+  }
+  ps.adopt_grads(std::move(grads));
+  grads_registration_ = nc->register_window(ps.flat_grads().data_ptr(), ps.flat_grads().nbytes());
 #endif
 }
 

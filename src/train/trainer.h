@@ -157,6 +157,8 @@ class Trainer {
   void report_graph(int64_t step);
   // parallel.dp_embedding_grad: makes embedding_grad_ when the table's gradient is to be gathered.
   void setup_embedding_grad();
+  // parallel.dp_grad_window: the flat grads in NCCL memory, a symmetric window of the gradient group.
+  void register_grads_with_nccl();
   // Whether training steps go through a StepGraph (train.cuda_graphs on a layout that allows them).
   bool step_graphs_apply() const;
   // The non-finite check of a step (docs/reliability.md), collective over the world: every rank gets the
@@ -189,6 +191,9 @@ class Trainer {
   std::unique_ptr<GatheredEmbeddingGrad> embedding_grad_;  // DP: the table's gradient gathered (else null)
   std::string graph_failure_told_;                         // the capture failure already printed
   int64_t skipped_steps_ = 0, consecutive_skips_ = 0;
+  // The flat grads' NCCL registration: released first (members go in reverse order), while the
+  // communicators (outside the trainer) and the store (engine_) still exist.
+  std::shared_ptr<void> grads_registration_;
 };
 
 }  // namespace ndt

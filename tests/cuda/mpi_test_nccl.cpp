@@ -491,6 +491,46 @@ TEST_F(Nccl, StreamContractBlockingAndAsync) {
   NDT_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
+// parallel.dp_grad_window as the trainer runs it: one flat buffer from nccl_device_zeros (zeroed, counted in
+// the memory statistics), a symmetric window over it, ranges of it all-reduced asynchronously (sizes that
+// take NCCL's small- and large-message symmetric kernels, an odd length, an offset off any alignment), and
+// a reduce to one root inside it. Each must equal MPI's sum of the same values.
+TEST_F(Nccl, SymmetricWindowReductionsMatchMpi) {
+  NcclCommunicator* n = as_nccl(nc);
+  ASSERT_NE(n, nullptr);
+  const int64_t total = (int64_t{1} << 23) + 777;
+  const double before = cuda::memory_stats().peak_allocated_gib;
+  Tensor flat = nccl_device_zeros({total}, DType::F32);
+  EXPECT_GE(cuda::memory_stats().peak_allocated_gib - before, total * 4.0 / (1 << 30) * 0.999);
+  {
+    std::vector<float> zeros = flat.to(Device::CPU).to_vector<float>();
+    EXPECT_TRUE(std::all_of(zeros.begin(), zeros.end(), [](float v) { return v == 0.f; }));
+  }
+  std::shared_ptr<void> win = n->register_window(flat.data_ptr(), flat.nbytes());
+  ASSERT_NE(win, nullptr);
+  const std::vector<std::pair<int64_t, int64_t>> ranges = {
+      {0, 1536}, {1536, 1536 + 1001}, {4096, 4096 + (int64_t{1} << 22)}, {(int64_t{1} << 22) + 8192, total}};
+  std::vector<float> x = random_vec<float>(total, seed(160));
+  NDT_CUDA_CHECK(cudaMemcpy(flat.data_ptr(), x.data(), total * sizeof(float), cudaMemcpyHostToDevice));
+  std::vector<std::unique_ptr<CommHandle>> hs;
+  for (auto [b, e] : ranges)
+    hs.push_back(n->all_reduce_async(flat.f32() + b, e - b, DType::F32, ReduceOp::Sum));
+  for (auto& h : hs) h->synchronize();
+  std::vector<float> ref = x;
+  for (auto [b, e] : ranges) mpi->all_reduce(ref.data() + b, e - b, DType::F32, ReduceOp::Sum);
+  expect_match(flat.to(Device::CPU).to_vector<float>(), ref, 1e-6, "all_reduce_async in a symmetric window");
+  const int root = size - 1;
+  std::vector<float> mine = random_vec<float>(4099, seed(161)), sum = mine;
+  NDT_CUDA_CHECK(
+      cudaMemcpy(flat.f32() + 3, mine.data(), mine.size() * sizeof(float), cudaMemcpyHostToDevice));
+  n->reduce_async(flat.f32() + 3, 4099, DType::F32, ReduceOp::Sum, root)->synchronize();
+  mpi->all_reduce(sum.data(), 4099, DType::F32, ReduceOp::Sum);
+  std::vector<float> got(mine.size());
+  NDT_CUDA_CHECK(cudaMemcpy(got.data(), flat.f32() + 3, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  expect_match(got, rank == root ? sum : mine, 1e-6, "reduce_async in a symmetric window");
+  win.reset();  // deregistered before the memory goes
+}
+
 // DP's gathered embedding gradient over NCCL as the trainer runs it: bf16 rows on the device, ids on the
 // host, a vocabulary shard, lengths that differ per rank, frequent ids. Every rank must end with the host sum
 // of all ranks' rows (small integers: exact in bf16 and in any fp32 order).
