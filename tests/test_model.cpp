@@ -149,14 +149,14 @@ TEST(ModelInit, SeedChangesWeights) {
   EXPECT_NE(pa.value.f32()[0], pb.value.f32()[0]);
 }
 
-// adopt_grads (DP's gradients in NCCL memory on GPUs): every Param::grad becomes a view of the new flat
-// buffer at its offset; a buffer of another shape or dtype is refused, naming both.
-TEST(ParamStoreAdoptGrads, ParamGradsViewTheAdoptedBuffer) {
+// to_device with a gradient buffer (DP's gradients in NCCL memory on GPUs): every Param::grad becomes a
+// view of the given flat buffer at its offset; a buffer of another shape or dtype is refused, naming both.
+TEST(ParamStoreGradsBuffer, ParamGradsViewTheGivenBuffer) {
   Transformer m(testing::tiny_model("llama"), StageSpec{}, nullptr);
   ParamStore& ps = m.params();
   ps.flatten(4);
   Tensor storage = Tensor::zeros(ps.flat_grads().shape());
-  ps.adopt_grads(storage);
+  ps.to_device(Device::CPU, DType::F32, storage);
   EXPECT_EQ(ps.flat_grads().data_ptr(), storage.data_ptr());
   for (auto& p : ps.all()) {
     ASSERT_EQ(p->grad.f32(), storage.f32() + ps.offset_of(*p)) << p->name;
@@ -166,13 +166,15 @@ TEST(ParamStoreAdoptGrads, ParamGradsViewTheAdoptedBuffer) {
   for (int64_t i = 0; i < storage.numel(); ++i) sum += storage.f32()[i];
   EXPECT_EQ(sum, static_cast<double>(ps.all().size()));
   try {
-    ps.adopt_grads(Tensor::zeros({3}));
-    FAIL() << "a buffer of the wrong shape was adopted";
+    ps.to_device(Device::CPU, DType::F32, Tensor::zeros({3}));
+    FAIL() << "a buffer of the wrong shape was taken";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("adopt_grads: (3) f32 on cpu for grads ("), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("to_device: grads (3) f32 on cpu for a store of ("),
+              std::string::npos)
         << e.what();
   }
-  EXPECT_THROW(ps.adopt_grads(Tensor::zeros(ps.flat_grads().shape(), DType::F64)), Error);
+  EXPECT_THROW(ps.to_device(Device::CPU, DType::F32, Tensor::zeros(ps.flat_grads().shape(), DType::F64)),
+               Error);
 }
 
 TEST(ModelForward, PackedEqualsSeparate) {

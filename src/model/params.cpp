@@ -165,13 +165,20 @@ void ParamStore::flatten(int64_t align, int64_t expert_align) {
   flat_grads_ = grads;
 }
 
-void ParamStore::to_device(Device dev, DType compute) {
+void ParamStore::to_device(Device dev, DType compute, Tensor grads) {
   NDT_CHECK(flat_values_.defined(), "ParamStore::to_device needs a flattened store");
   NDT_CHECK(compute == DType::F32 || compute == DType::BF16, "compute dtype must be f32 or bf16, got {}",
             dtype_name(compute));
   NDT_CHECK(dev == Device::CUDA || compute == DType::F32, "bf16 compute needs a CUDA device");
+  if (grads.defined()) {
+    NDT_CHECK(grads.shape() == flat_grads_.shape() && grads.dtype() == DType::F32 && grads.device() == dev,
+              "to_device: grads {} {} on {} for a store of {} f32 grads on {}", shape_str(grads.shape()),
+              dtype_name(grads.dtype()), device_name(grads.device()), shape_str(flat_grads_.shape()),
+              device_name(dev));
+  } else {
+    grads = Tensor::zeros(flat_grads_.shape(), DType::F32, dev);
+  }
   Tensor values = flat_values_.to(dev);
-  Tensor grads = Tensor::zeros(flat_grads_.shape(), DType::F32, dev);
   flat_compute_ = Tensor();
   if (compute == DType::BF16) flat_compute_ = Tensor::empty(values.shape(), DType::BF16, dev);
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -186,17 +193,6 @@ void ParamStore::to_device(Device dev, DType compute) {
   device_ = dev;
   compute_dtype_ = compute;
   refresh_compute();
-}
-
-void ParamStore::adopt_grads(Tensor storage) {
-  NDT_CHECK(
-      storage.shape() == flat_grads_.shape() && storage.dtype() == DType::F32 && storage.device() == device_,
-      "adopt_grads: {} {} on {} for grads {} f32 on {}", shape_str(storage.shape()),
-      dtype_name(storage.dtype()), device_name(storage.device()), shape_str(flat_grads_.shape()),
-      device_name(device_));
-  for (size_t i = 0; i < params_.size(); ++i)
-    params_[i]->grad = storage.view_at(offsets_[i], params_[i]->grad.shape());
-  flat_grads_ = std::move(storage);
 }
 
 void ParamStore::refresh_compute() {

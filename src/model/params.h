@@ -82,12 +82,11 @@ class ParamStore {
   // grads (and the optimizer state) stay fp32. Moves the flattened store's buffers to `dev` (values are
   // copied, grads zeroed) and, for compute = BF16, creates the compute copy. Initialize (init / load) on
   // the CPU first: initialization is layout- and device-independent. Moving back to the CPU gives fp32.
-  void to_device(Device dev, DType compute);
+  // `grads`, when given, becomes the flat gradient buffer instead of a new one (zeroed, flat_grads' shape,
+  // f32 on `dev`): DP hands in NCCL memory it registers for its reductions.
+  void to_device(Device dev, DType compute, Tensor grads = Tensor());
   Device device() const { return device_; }
   DType compute_dtype() const { return compute_dtype_; }
-  // Puts the flat grads in `storage` (same shape, dtype F32, on the store's device; zeroed by the caller)
-  // and re-points every Param::grad into it: DP registers NCCL memory for zero-copy reductions.
-  void adopt_grads(Tensor storage);
   // Re-derives the compute copy from the values (after they were written other than by the optimizer).
   void refresh_compute();
   // Runs fn with every Param::value a host f32 tensor: itself on the CPU; on CUDA views of one host copy

@@ -100,9 +100,14 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
       NDT_CHECK(ok == 1, "train.attention is cudnn but cuDNN's attention is not available on every rank ({})",
                 cuda::cudnn_attention_status());
     }
+    // parallel.dp_grad_window: the gradients go straight into NCCL memory (no pool buffer first).
+    Tensor grads = grads_window_buffer();
     engine_->params().to_device(Device::CUDA,
-                                cfg_.train.effective_precision() == "bf16" ? DType::BF16 : DType::F32);
-    register_grads_with_nccl();
+                                cfg_.train.effective_precision() == "bf16" ? DType::BF16 : DType::F32, grads);
+#ifdef NDT_HAVE_NCCL
+    if (grads.defined())
+      grads_registration_ = as_nccl(c_.grad)->register_window(grads.data_ptr(), grads.nbytes());
+#endif
 #else
     NDT_FAIL("train.device is cuda but this ndtrain was built without the CUDA backend");
 #endif
@@ -136,16 +141,15 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
 #endif
 }
 
-void Trainer::register_grads_with_nccl() {
+Tensor Trainer::grads_window_buffer() {
 #ifdef NDT_HAVE_NCCL
   NcclCommunicator* nc = as_nccl(c_.grad);
-  if (!cfg_.parallel.dp_grad_window || !nc || nc->size() < 2) return;
-  ParamStore& ps = engine_->params();
+  if (!cfg_.parallel.dp_grad_window || !nc || nc->size() < 2) return Tensor();
   // ncclMemAlloc needs CUDA's virtual memory management: where a rank lacks it, every rank keeps the pool.
   Tensor grads;
   Status st = Status::ok();
   try {
-    grads = nccl_device_zeros(ps.flat_grads().shape(), DType::F32);
+    grads = nccl_device_zeros(engine_->params().flat_grads().shape(), DType::F32);
   } catch (const std::exception& e) {
     st = Status::error(e.what());
   }
@@ -154,10 +158,11 @@ void Trainer::register_grads_with_nccl() {
     if (c_.world->rank() == 0)
       std::printf("parallel.dp_grad_window: gradients stay in ordinary device memory (%s)\n",
                   st.message().c_str());
-    return;
+    return Tensor();
   }
-  ps.adopt_grads(std::move(grads));
-  grads_registration_ = nc->register_window(ps.flat_grads().data_ptr(), ps.flat_grads().nbytes());
+  return grads;
+#else
+  return Tensor();
 #endif
 }
 

@@ -157,8 +157,10 @@ class Trainer {
   void report_graph(int64_t step);
   // parallel.dp_embedding_grad: makes embedding_grad_ when the table's gradient is to be gathered.
   void setup_embedding_grad();
-  // parallel.dp_grad_window: the flat grads in NCCL memory, a symmetric window of the gradient group.
-  void register_grads_with_nccl();
+  // parallel.dp_grad_window: zeroed NCCL memory for the flat grads, to be registered as a symmetric window of
+  // the gradient group once the store is on the device; undefined where the window does not apply (or a rank
+  // could not allocate it: then no rank uses it).
+  Tensor grads_window_buffer();
   // Whether training steps go through a StepGraph (train.cuda_graphs on a layout that allows them).
   bool step_graphs_apply() const;
   // The non-finite check of a step (docs/reliability.md), collective over the world: every rank gets the
