@@ -352,10 +352,8 @@ void rope_backward(Tensor& dx, const Tensor& pos, float theta) {
   dx.copy_from(tmp);
 }
 
+std::pair<int64_t, int64_t> cudnn_equal_segments(const Tensor& q, const Tensor& cu_seqlens) {
 #ifdef NDT_HAVE_CUDA
-// cuDNN's fused attention takes the training hot path: bf16, host-side cu_seqlens of equal-length
-// segments covering every row. Returns the segment count and length, or {0, 0}.
-static std::pair<int64_t, int64_t> cudnn_segments(const Tensor& q, const Tensor& cu_seqlens) {
   if (!on_cuda(q) || q.dtype() != DType::BF16 || cu_seqlens.device() != Device::CPU ||
       !cuda::cudnn_attention_enabled())
     return {0, 0};
@@ -366,15 +364,18 @@ static std::pair<int64_t, int64_t> cudnn_segments(const Tensor& q, const Tensor&
   for (int64_t s = 1; s <= nseq; ++s)
     if (cu[s] - cu[s - 1] != S) return {0, 0};
   return {nseq, S};
-}
+#else
+  (void)q, (void)cu_seqlens;
+  return {0, 0};
 #endif
+}
 
 void attention_forward(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& cu_seqlens, float scale) {
   int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1);
   NDT_CHECK(H % KV == 0, "attention: {} query heads not divisible by {} kv heads", H, KV);
 #ifdef NDT_HAVE_CUDA
-  if (auto [B, S] = cudnn_segments(q, cu_seqlens); B > 0)
+  if (auto [B, S] = cudnn_equal_segments(q, cu_seqlens); B > 0)
     if (cuda::cudnn_attention_forward(dp<bf16>(out, "att out"), dp<float>(lse, "att lse"), dp<bf16>(q, "q"),
                                       dp<bf16>(k, "k"), dp<bf16>(v, "v"), B, S, H, KV, D, scale, st()))
       return;
@@ -394,7 +395,7 @@ void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, 
   int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1);
   if (!accumulate) {
 #ifdef NDT_HAVE_CUDA
-    if (auto [B, S] = cudnn_segments(q, cu_seqlens); B > 0)
+    if (auto [B, S] = cudnn_equal_segments(q, cu_seqlens); B > 0)
       if (cuda::cudnn_attention_backward(dp<bf16>(dq, "dq"), dp<bf16>(dk, "dk"), dp<bf16>(dv, "dv"),
                                          dp<bf16>(dout, "att dout"), dp<bf16>(q, "q"), dp<bf16>(k, "k"),
                                          dp<bf16>(v, "v"), dp<bf16>(out, "att out"),
@@ -421,7 +422,7 @@ void attention_backward_qkv(Tensor& dqkv, const Tensor& dout, const Tensor& q, c
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1), W = (H + 2 * KV) * D;
   require_shape(dqkv, {T, W}, "attention_backward_qkv dqkv");
 #ifdef NDT_HAVE_CUDA
-  if (auto [B, S] = cudnn_segments(q, cu_seqlens); B > 0) {
+  if (auto [B, S] = cudnn_equal_segments(q, cu_seqlens); B > 0) {
     bf16* g = dp<bf16>(dqkv, "dqkv");
     if (cuda::cudnn_attention_backward(g, g + H * D, g + (H + KV) * D, dp<bf16>(dout, "att dout"),
                                        dp<bf16>(q, "q"), dp<bf16>(k, "k"), dp<bf16>(v, "v"),

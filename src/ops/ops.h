@@ -12,6 +12,7 @@
 // Integer/metadata inputs (ids, targets, positions, cu_seqlens, loss mask) may stay on the host when the
 // compute runs on the device: they are uploaded (asynchronously, stream-ordered) by the op.
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -65,6 +66,11 @@ void qkv_merge(Tensor& qkv, const Tensor& q, const Tensor& k, const Tensor& v);
 // (rope_backward) and dv, in one pass on the GPU; dq, dk, dv are left as they are.
 void qkv_merge_rope_backward(Tensor& dqkv, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                              const Tensor& pos, float theta);
+
+// Whether cuDNN's fused attention takes q with these sequences: bf16 on a CUDA device with cuDNN's attention
+// enabled, host cu_seqlens of equal-length segments covering every row. Returns the segment count and
+// length, or {0, 0} (always on builds without CUDA).
+std::pair<int64_t, int64_t> cudnn_equal_segments(const Tensor& q, const Tensor& cu_seqlens);
 
 // q(T, H, D), k/v(T, KV, D), cu_seqlens(nseq + 1); out(T, H, D), lse(T, H). Backward adds into dq/dk/dv,
 // or overwrites them with accumulate = false (which lets bf16 CUDA runs with equal-length segments and a

@@ -63,20 +63,10 @@ struct RingBlock {
 #endif
 };
 
-// The chunk length c, or 0 where the cuDNN form does not apply.
+// The chunk length c, or 0 where the cuDNN form does not apply (unequal or odd local lengths).
 int64_t cudnn_ring_chunk(const Microbatch& mb, const Tensor& q) {
-#ifdef NDT_HAVE_CUDA
-  if (q.device() != Device::CUDA || q.dtype() != DType::BF16 || !cuda::cudnn_attention_enabled()) return 0;
-  const int32_t* cu = mb.cu_seqlens.i32();
-  const int64_t len = cu[1] - cu[0];
-  if (mb.nseq <= 0 || len <= 0 || len % 2 != 0) return 0;
-  for (int64_t s = 1; s < mb.nseq; ++s)
-    if (cu[s + 1] - cu[s] != len) return 0;
-  return len / 2;
-#else
-  (void)mb, (void)q;
-  return 0;
-#endif
+  const auto [nseq, len] = ops::cudnn_equal_segments(q, mb.cu_seqlens);
+  return nseq > 0 && len % 2 == 0 ? len / 2 : 0;
 }
 
 // All-gather CP's blocks for cuDNN: each local chunk a (rank r's chunks r and 2cp-1-r, query rows 0 and c of
