@@ -306,6 +306,17 @@ std::atomic<int64_t> g_external_bytes{0};
 }
 void add_external_bytes(int64_t delta) noexcept { g_external_bytes += delta; }
 
+std::shared_ptr<uint8_t> adopt_external_zeroed(void* p, size_t bytes, void (*release)(void*)) {
+  add_external_bytes(static_cast<int64_t>(bytes));
+  std::shared_ptr<uint8_t> storage(static_cast<uint8_t*>(p), [bytes, release](uint8_t* q) {
+    if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();  // (teardown: kernels may still read it)
+    release(q);
+    add_external_bytes(-static_cast<int64_t>(bytes));
+  });
+  memset_zero(p, bytes);
+  return storage;
+}
+
 MemoryStats memory_stats() {
   DeviceState& s = state();
   MemoryStats m;

@@ -137,6 +137,10 @@ MemoryStats memory_stats();
 // Device memory held outside the pool (NCCL-registered buffers): memory_stats() adds the live total to the
 // pool's peak (such buffers are made at start-up and live as long as the run).
 void add_external_bytes(int64_t delta) noexcept;
+// Takes device memory allocated outside the pool (ncclMemAlloc; a cudaMalloc that CUDA IPC exports): zeroes
+// it and counts it (add_external_bytes) for as long as the returned storage lives; its deleter waits for the
+// device, then calls `release` on it.
+std::shared_ptr<uint8_t> adopt_external_zeroed(void* p, size_t bytes, void (*release)(void*));
 void reset_peak_memory();
 
 // Optional phase timing with CUDA events (for profiling; enabled by NDT_CUDA_PROFILE=1 in the

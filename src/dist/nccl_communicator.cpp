@@ -18,6 +18,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/runtime.h"
 #include "dist/device_communicator.h"
+#include "dist/stream_handle.h"
 #include "dist/watchdog.h"
 
 namespace ndt {
@@ -75,43 +76,6 @@ bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
   return an && bn && pa < pb + bn && pb < pa + an;
 }
 
-class Handle final : public CommHandle {
- public:
-  Handle(cudaStream_t compute, cudaStream_t comm, int group) : compute_(compute), group_(group) {
-    NDT_CUDA_CHECK(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming));
-    NDT_CUDA_CHECK(cudaEventRecord(ev_, comm));
-  }
-  ~Handle() override {
-    if (!finished_) cudaStreamWaitEvent(compute_, ev_, 0);  // no throw from a destructor
-    cudaEventDestroy(ev_);  // released by the runtime once the event completes
-  }
-  void wait() override {
-    if (finished_) return;
-    NDT_CUDA_CHECK(cudaStreamWaitEvent(compute_, ev_, 0));
-    finished_ = true;
-  }
-  void synchronize() override {
-    BlockingWait wait("an asynchronous NCCL collective", group_);
-    NDT_CUDA_CHECK(cudaEventSynchronize(ev_));
-    finished_ = true;
-  }
-  bool done() override {
-    const cudaError_t e = cudaEventQuery(ev_);
-    if (e == cudaErrorNotReady) {
-      cudaGetLastError();
-      return false;
-    }
-    NDT_CUDA_CHECK(e);
-    return true;
-  }
-
- private:
-  cudaStream_t compute_;
-  cudaEvent_t ev_ = nullptr;
-  bool finished_ = false;
-  int group_;  // ranks of the communicator (for the watchdog's message)
-};
-
 class NcclComm final : public NcclCommunicator {
  public:
   NcclComm(std::unique_ptr<Communicator> host, ncclComm_t comm, int device)
@@ -166,7 +130,7 @@ class NcclComm final : public NcclCommunicator {
     begin("all_reduce (asynchronous)");
     if (count > 0) NDT_NCCL(ncclAllReduce(buf, buf, n(count), nccl_type(dt), nccl_op(op), comm_, stream_));
     issued();
-    return std::make_unique<Handle>(compute_, stream_, size());
+    return async_handle();
   }
 
   void all_gather(const void* send, void* recv, int64_t count, DType dt) override {
@@ -194,7 +158,7 @@ class NcclComm final : public NcclCommunicator {
     begin("reduce_scatter (asynchronous)");
     if (count > 0) enqueue_reduce_scatter(send, recv, count, dt, op);
     issued();
-    return std::make_unique<Handle>(compute_, stream_, size());
+    return async_handle();
   }
 
   std::unique_ptr<CommHandle> all_gather_async(const void* send, void* recv, int64_t count,
@@ -204,7 +168,7 @@ class NcclComm final : public NcclCommunicator {
     begin("all_gather (asynchronous)");
     if (count > 0) NDT_NCCL(ncclAllGather(send, recv, n(count), nccl_type(dt), comm_, stream_));
     issued();
-    return std::make_unique<Handle>(compute_, stream_, size());
+    return async_handle();
   }
 
   std::unique_ptr<CommHandle> reduce_async(void* buf, int64_t count, DType dt, ReduceOp op,
@@ -214,7 +178,7 @@ class NcclComm final : public NcclCommunicator {
     begin("reduce (asynchronous)");
     if (count > 0) NDT_NCCL(ncclReduce(buf, buf, n(count), nccl_type(dt), nccl_op(op), root, comm_, stream_));
     issued();
-    return std::make_unique<Handle>(compute_, stream_, size());
+    return async_handle();
   }
 
   std::shared_ptr<void> register_window(void* buf, size_t bytes) override {
@@ -267,7 +231,7 @@ class NcclComm final : public NcclCommunicator {
     begin("batch_p2p (asynchronous)");
     post_p2p(ops);
     issued();
-    return std::make_unique<Handle>(compute_, stream_, size());
+    return async_handle();
   }
 
   void all_to_all_v(const void* send, const std::vector<int64_t>& send_counts,
@@ -332,6 +296,10 @@ class NcclComm final : public NcclCommunicator {
   }
 
  private:
+  // The handle of the call just enqueued on stream_.
+  std::unique_ptr<CommHandle> async_handle() {
+    return std::make_unique<StreamHandle>(compute_, stream_, "an asynchronous NCCL collective", size());
+  }
   static size_t n(int64_t count) { return static_cast<size_t>(count); }
 
   void check_peer(int peer, const char* what) const {
@@ -463,14 +431,8 @@ Tensor nccl_device_zeros(const Shape& shape, DType dt) {
   const size_t bytes = std::max<size_t>(static_cast<size_t>(shape_numel(shape)) * dtype_size(dt), 1);
   void* p = nullptr;
   NDT_NCCL(ncclMemAlloc(&p, bytes));
-  cuda::add_external_bytes(static_cast<int64_t>(bytes));
-  std::shared_ptr<uint8_t> storage(static_cast<uint8_t*>(p), [bytes](uint8_t* q) {
-    if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();  // (teardown: kernels may still read it)
-    ncclMemFree(q);
-    cuda::add_external_bytes(-static_cast<int64_t>(bytes));
-  });
-  cuda::memset_zero(p, bytes);
-  return Tensor::adopt(std::move(storage), shape, dt, Device::CUDA);
+  return Tensor::adopt(cuda::adopt_external_zeroed(p, bytes, [](void* q) { ncclMemFree(q); }), shape, dt,
+                       Device::CUDA);
 }
 
 }  // namespace ndt
