@@ -19,6 +19,7 @@
 #include "cuda/device.h"
 #include "cuda/runtime.h"
 #include "dist/communicator.h"
+#include "dist/copy_engine_reduction.h"
 #include "dist/nccl_communicator.h"
 #include "ops/ops.h"
 #include "parallel/dp/gathered_embedding_grad.h"
@@ -529,6 +530,63 @@ TEST_F(Nccl, SymmetricWindowReductionsMatchMpi) {
   NDT_CUDA_CHECK(cudaMemcpy(got.data(), flat.f32() + 3, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
   expect_match(got, rank == root ? sum : mine, 1e-6, "reduce_async in a symmetric window");
   win.reset();  // deregistered before the memory goes
+}
+
+// parallel.dp_reduction = copy_engine as the trainer runs it: a flat buffer from ipc_device_zeros, ranges of
+// it (one over several pieces per part, one shorter than the group, aligned ones that add four at a time and
+// ones off any alignment)
+// reduced asynchronously, twice eagerly and then twice from one captured graph with new values. Every rank
+// must hold the host's left-to-right sum in rank order, bit for bit.
+TEST_F(Nccl, CopyEngineReductionSumsInRankOrder) {
+  const int64_t big = 2 * CopyEngineReduction::kPieceElems + 8, total = big + 8192;
+  const double before = cuda::memory_stats().peak_allocated_gib;
+  Tensor flat = ipc_device_zeros(total);
+  EXPECT_GE(cuda::memory_stats().peak_allocated_gib - before, total * 4.0 / (1 << 30) * 0.999);
+  std::string why;
+  std::unique_ptr<CopyEngineReduction> ce = CopyEngineReduction::create(*nc, flat, why);
+  ASSERT_NE(ce, nullptr) << why;  // (one host, peer access: every rank alike)
+  const std::vector<std::pair<int64_t, int64_t>> ranges = {
+      {0, 1000},          {1000, 1003}, {1003, 1024}, {1024, big + 1024}, {big + 1024, big + 1031},
+      {big + 1031, total}};
+  auto run = [&](uint64_t test) {
+    std::vector<float> x = random_vec<float>(total, seed(test));
+    NDT_CUDA_CHECK(cudaMemcpy(flat.data_ptr(), x.data(), total * sizeof(float), cudaMemcpyHostToDevice));
+    std::vector<float> all(static_cast<size_t>(total) * size), ref(static_cast<size_t>(total));
+    mpi->all_gather(x.data(), all.data(), total, DType::F32);
+    for (int64_t i = 0; i < total; ++i) {
+      float acc = all[i];
+      for (int q = 1; q < size; ++q) acc += all[q * total + i];
+      ref[i] = acc;
+    }
+    return ref;
+  };
+  for (uint64_t step = 0; step < 2; ++step) {
+    std::vector<float> ref = run(170 + step);
+    std::vector<std::unique_ptr<CommHandle>> hs;
+    for (auto [b, e] : ranges) hs.push_back(ce->all_reduce_async(flat.f32() + b, e - b));
+    for (auto& h : hs) h->wait();
+    NDT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+    expect_match(flat.to(Device::CPU).to_vector<float>(), ref, 0, "copy-engine all-reduce, eager");
+  }
+  cudaGraph_t graph = nullptr;
+  NDT_CUDA_CHECK(cudaStreamBeginCapture(cuda::stream(), cudaStreamCaptureModeRelaxed));
+  {
+    std::vector<std::unique_ptr<CommHandle>> hs;
+    for (auto [b, e] : ranges) hs.push_back(ce->all_reduce_async(flat.f32() + b, e - b));
+    for (auto& h : hs) h->wait();
+  }
+  NDT_CUDA_CHECK(cudaStreamEndCapture(cuda::stream(), &graph));
+  cudaGraphExec_t exec = nullptr;
+  NDT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (uint64_t step = 0; step < 2; ++step) {
+    std::vector<float> ref = run(180 + step);
+    NDT_CUDA_CHECK(cudaGraphLaunch(exec, cuda::stream()));
+    NDT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+    expect_match(flat.to(Device::CPU).to_vector<float>(), ref, 0, "copy-engine all-reduce, replayed");
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  ce.reset();  // before the memory goes
 }
 
 // DP's gathered embedding gradient over NCCL as the trainer runs it: bf16 rows on the device, ids on the
