@@ -7,6 +7,8 @@
 # Usage: bench/dp_scaling.sh NDTRAIN OUTDIR        (STEPS=30 WARMUP=10 GPUS="1 2 4" by default)
 # EMBEDDING_GRAD="auto all_reduce" runs each multi-GPU row with each parallel.dp_embedding_grad (default: auto).
 # GRAD_WINDOW="true false" likewise with each parallel.dp_grad_window (default: true).
+# DP_REDUCTION="nccl copy_engine" likewise with each parallel.dp_reduction (default: nccl; ZeRO-1 rows
+# always reduce with NCCL, so they run once).
 # KERNEL_TRACE=20:22 also records those steps' kernels (`ndtrain train --kernel-trace`): per run,
 # OUTDIR/<run>.kernels.txt (rank 0's table: exposed communication, per-kernel times) and
 # OUTDIR/<run>/kernel_trace/kernels.rank*.json (Chrome traces).
@@ -18,6 +20,7 @@ mkdir -p "$out"
 steps=${STEPS:-30} warmup=${WARMUP:-10}
 embs=${EMBEDDING_GRAD:-auto}
 wins=${GRAD_WINDOW:-true}
+reds=${DP_REDUCTION:-nccl}
 have=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 gpus=${GPUS:-}
 if [[ -z $gpus ]]; then
@@ -33,20 +36,22 @@ print(statistics.median(s) if s else "nan")
 EOF
 }
 base=0  # tokens/s of the 1-GPU run
-printf '| GPUs | ZeRO-1 | embedding grad | grad window | step ms (median) | tokens/s | efficiency vs 1 GPU |\n|---|---|---|---|---|---|---|\n' >"$out/dp_scaling.md"
+printf '| GPUs | ZeRO-1 | embedding grad | grad window | reduction | step ms (median) | tokens/s | efficiency vs 1 GPU |\n|---|---|---|---|---|---|---|---|\n' >"$out/dp_scaling.md"
 for zero1 in false true; do
   for n in $gpus; do
    for emb in $embs; do
    for win in $wins; do
+   for red in $reds; do
     [[ $zero1 == true && $n == 1 ]] && continue
-    [[ $n == 1 && ( $emb != "${embs%% *}" || $win != "${wins%% *}" ) ]] && continue  # (one GPU: nothing to reduce)
-    dir=$out/dp${n}_zero1_${zero1}_emb_${emb}_win_$win
-    [[ $embs == auto && $wins == true ]] && dir=$out/dp${n}_zero1_$zero1
+    [[ $n == 1 && ( $emb != "${embs%% *}" || $win != "${wins%% *}" || $red != "${reds%% *}" ) ]] && continue  # (one GPU: nothing to reduce)
+    [[ $zero1 == true && $red != "${reds%% *}" ]] && continue  # (ZeRO-1: NCCL whatever the setting)
+    dir=$out/dp${n}_zero1_${zero1}_emb_${emb}_win_${win}_red_$red
+    [[ $embs == auto && $wins == true && $reds == nccl ]] && dir=$out/dp${n}_zero1_$zero1
     trace=()
     [[ -n ${KERNEL_TRACE:-} ]] && trace=(--kernel-trace "$dir/kernel_trace" --kernel-trace-steps "$KERNEL_TRACE")
     timeout 180 mpirun --allow-run-as-root -np "$n" "$ndtrain" train "${trace[@]}" --config "$src/configs/gpt2-124m.yaml" \
       --set data.task=lm data.tokenizer=byte train.device=cuda train.precision=bf16 parallel.dp="$n" \
-      parallel.zero1=$zero1 parallel.dp_embedding_grad="$emb" parallel.dp_grad_window="$win" train.micro_batch=16 train.global_batch=$((16 * n)) train.steps="$steps" \
+      parallel.zero1=$zero1 parallel.dp_embedding_grad="$emb" parallel.dp_grad_window="$win" parallel.dp_reduction="$red" train.micro_batch=16 train.global_batch=$((16 * n)) train.steps="$steps" \
       train.warmup_steps=5 train.log_every=10 train.eval_every=0 "train.out_dir=$dir" >"$dir.log" 2>&1
     rc=$?
     med=nan
@@ -54,7 +59,7 @@ for zero1 in false true; do
     rm -f "$dir/model.safetensors"
     [[ -f $dir/kernel_trace/kernels.rank0.txt ]] && cp "$dir/kernel_trace/kernels.rank0.txt" "$dir.kernels.txt"
     if [[ $med == nan ]]; then
-      echo "| $n | $zero1 | $emb | $win | FAILED (exit $rc, $(basename "$dir").log) | | |" >>"$out/dp_scaling.md"
+      echo "| $n | $zero1 | $emb | $win | $red | FAILED (exit $rc, $(basename "$dir").log) | | |" >>"$out/dp_scaling.md"
       tail -5 "$dir.log"
       continue
     fi
@@ -62,8 +67,9 @@ for zero1 in false true; do
 t = 16 * 1024 * $n / $med; b = $base
 print(f'{t:.0f}', f'{t / ($n * b):.3f}' if b else '1.000')")"
     [[ $n == 1 ]] && base=$tps
-    printf '| %s | %s | %s | %s | %.2f | %s | %s |\n' "$n" "$zero1" "$emb" "$win" "$(python3 -c "print(1e3 * $med)")" "$tps" \
+    printf '| %s | %s | %s | %s | %s | %.2f | %s | %s |\n' "$n" "$zero1" "$emb" "$win" "$red" "$(python3 -c "print(1e3 * $med)")" "$tps" \
       "$eff" >>"$out/dp_scaling.md"
+   done
    done
    done
   done

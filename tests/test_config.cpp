@@ -106,11 +106,14 @@ TEST(ConfigPresets, KnownValues) {
 TEST_F(ConfigFiles, OverridesApply) {
   const auto p = write("a.yaml", "model:\n  d_model: 64\ntrain:\n  lr: 0.01\n");
   auto r = load_config(p, {"train.lr=3e-4", "model.n_layers=5", "parallel.zero1=true", "data.path='a b.bin'",
-                           "model.style=gpt2", "train.steps=1e4", "parallel.dp_grad_window=false"});
+                           "model.style=gpt2", "train.steps=1e4", "parallel.dp_grad_window=false",
+                           "parallel.dp_reduction=copy_engine"});
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   const Config& c = r.value();
   EXPECT_TRUE(Config().parallel.dp_grad_window);  // default: DP's gradients in an NCCL window on GPUs
   EXPECT_FALSE(c.parallel.dp_grad_window);
+  EXPECT_EQ(Config().parallel.dp_reduction, "nccl");
+  EXPECT_EQ(c.parallel.dp_reduction, "copy_engine");
   EXPECT_DOUBLE_EQ(c.train.lr, 3e-4);
   EXPECT_EQ(c.model.n_layers, 5);
   EXPECT_EQ(c.model.d_model, 64);

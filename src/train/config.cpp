@@ -184,6 +184,7 @@ const std::vector<KeyDef>& schema() {
       bool_key("parallel.zero1", p(&P::zero1)),
       str_key("parallel.dp_embedding_grad", {"auto", "gather", "all_reduce"}, p(&P::dp_embedding_grad)),
       bool_key("parallel.dp_grad_window", p(&P::dp_grad_window)),
+      str_key("parallel.dp_reduction", {"nccl", "copy_engine"}, p(&P::dp_reduction)),
       int_key("parallel.virtual_stages", 1, 1024, p(&P::virtual_stages)),
       str_key("parallel.schedule", {"1f1b", "interleaved", "gpipe"}, p(&P::schedule)),
       str_key("parallel.cp_attention", {"ring", "allgather"}, p(&P::cp_attention)),

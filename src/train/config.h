@@ -153,6 +153,9 @@ struct ParallelConfig {
   // group, so that NCCL reduces them with its symmetric kernels (fewer SMs taken from the backward beside
   // it); false: ordinary device memory.
   bool dp_grad_window = true;
+  // Plain DP on GPUs: "nccl" all-reduces the gradients with NCCL; "copy_engine" with the GPUs' copy engines
+  // between the mapped buffers of one host's ranks, summed in rank order (dist/copy_engine_reduction.h).
+  std::string dp_reduction = "nccl";
   int64_t virtual_stages = 1;
   std::string schedule = "1f1b";
   std::string cp_attention = "ring";  // context parallel attention: "ring" (P2P) or "allgather"

@@ -77,6 +77,11 @@ class Optimizer {
   // [begin, end) of the dense region holds its reduced gradient already (the gathered untied embedding
   // table): reduce_grads leaves it out. Same condition as reduce_early.
   void mark_reduced(int64_t begin, int64_t end);
+  // Plain DP on the device: where set, the dense region's all-reduces (early ranges and the rest) go through
+  // `reduce` (buf, count: a range of the flat gradients) instead of the DP communicator; non-blocking, in
+  // the same order on every rank (the copy-engine reduction, dist/copy_engine_reduction.h).
+  using RangeReducer = std::function<std::unique_ptr<CommHandle>(float* buf, int64_t count)>;
+  void set_range_reducer(RangeReducer reduce) { range_reducer_ = std::move(reduce); }
   // Step 4 with learning rate lr.
   void step(double lr);
   int64_t steps_taken() const { return step_; }
@@ -134,6 +139,7 @@ class Optimizer {
   float grad_scale_ = 1.0f;                                // CUDA: clip factor for the next step()
   std::vector<std::pair<int64_t, int64_t>> early_ranges_;  // reduce_early ranges of this step
   std::vector<std::function<void()>> early_waits_;         // their completion (compute stream waits)
+  RangeReducer range_reducer_;
 #ifdef NDT_HAVE_CUDA
   void step_device(double lr);
   // The AdamW runs of the last device step (cuda::AdamwRun as bytes) and their device copy, uploaded again

@@ -18,6 +18,7 @@
 #ifdef NDT_HAVE_CUDA
 #include "cuda/cudnn_attention.h"
 #include "cuda/runtime.h"
+#include "dist/copy_engine_reduction.h"
 #endif
 #ifdef NDT_HAVE_NCCL
 #include "dist/nccl_communicator.h"
@@ -89,6 +90,7 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
       cfg_.parallel.virtual_stages > 1 ? c_.pp->size() : 1;  // interleaved needs m % p == 0
   engine_->params().flatten(c_.grad->size(), c_.expert_dp->size());
   engine_->params().init(static_cast<uint64_t>(cfg_.train.seed));
+  const bool copy_engine = copy_engine_wanted();  // (throws on every rank where asked for and excluded)
   if (cfg_.train.device == "cuda") {
 #ifdef NDT_HAVE_CUDA
     // Initialization ran on the host (layout- and device-independent); the store then moves as a whole.
@@ -100,15 +102,22 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
       NDT_CHECK(ok == 1, "train.attention is cudnn but cuDNN's attention is not available on every rank ({})",
                 cuda::cudnn_attention_status());
     }
-    // parallel.dp_grad_window: the gradients go straight into NCCL memory (no pool buffer first).
-    Tensor grads = grads_window_buffer();
+    // parallel.dp_reduction / dp_grad_window: the gradients go straight into memory the peers map (copy
+    // engines) or NCCL's (symmetric window), with no pool buffer first.
+    Tensor grads =
+        copy_engine ? ipc_device_zeros(engine_->params().flat_grads().numel()) : grads_window_buffer();
     engine_->params().to_device(Device::CUDA,
                                 cfg_.train.effective_precision() == "bf16" ? DType::BF16 : DType::F32, grads);
+    if (copy_engine) {
+      setup_copy_engine();
+    }
 #ifdef NDT_HAVE_NCCL
-    if (grads.defined())
+    else if (grads.defined()) {
       grads_registration_ = as_nccl(c_.grad)->register_window(grads.data_ptr(), grads.nbytes());
+    }
 #endif
 #else
+    (void)copy_engine;
     NDT_FAIL("train.device is cuda but this ndtrain was built without the CUDA backend");
 #endif
   }
@@ -122,6 +131,10 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   oc.sequence_parallel = cfg_.parallel.sequence_parallel;
   oc.zero1 = cfg_.parallel.zero1;
   opt_ = std::make_unique<Optimizer>(engine_->params(), cfg_.train, oc);
+#ifdef NDT_HAVE_CUDA
+  if (auto* ce = static_cast<CopyEngineReduction*>(dp_reduction_.get()))
+    opt_->set_range_reducer([ce](float* buf, int64_t count) { return ce->all_reduce_async(buf, count); });
+#endif
   // On GPUs each layer's DP all-reduce starts as soon as its gradients are final, under the backward
   // of the layers before it. The gathered embedding gradient needs the same reports (blocking reductions
   // on other backends).
@@ -163,6 +176,42 @@ Tensor Trainer::grads_window_buffer() {
   return grads;
 #else
   return Tensor();
+#endif
+}
+
+bool Trainer::copy_engine_wanted() const {
+  if (cfg_.parallel.dp_reduction != "copy_engine" || c_.grad->size() < 2) return false;
+  std::string why;  // why this layout cannot use it (the same on every rank)
+  if (cfg_.train.device != "cuda")
+    why = "the gradients are on the CPU";
+  else if (cfg_.parallel.zero1)
+    why = "ZeRO-1 reduces to the owners of the optimizer's shards (NCCL)";
+  else if (cfg_.model.tied() && cfg_.parallel.dp_embedding_grad == "gather")
+    why = "the gathered rows of a tied table are added after NCCL's reduction of its head part";
+#ifdef NDT_HAVE_NCCL
+  else if (!as_nccl(c_.grad))
+    why = "the gradient group is not on NCCL (train.device_comm)";
+#else
+  else
+    why = "this ndtrain was built without NCCL";
+#endif
+  if (why.empty()) return true;
+  throw AgreedError(fmt::format("parallel.dp_reduction = copy_engine: {}; use nccl", why));
+}
+
+void Trainer::setup_copy_engine() {
+#ifdef NDT_HAVE_CUDA
+  std::string why;
+  std::unique_ptr<CopyEngineReduction> ce =
+      CopyEngineReduction::create(*c_.grad, engine_->params().flat_grads(), why);
+  if (ce) {
+    dp_reduction_ = std::shared_ptr<CopyEngineReduction>(std::move(ce));
+    if (c_.world->rank() == 0)
+      std::printf("parallel.dp_reduction: gradients all-reduced by copy engines over %d ranks\n",
+                  c_.grad->size());
+    return;
+  }
+  throw AgreedError(fmt::format("parallel.dp_reduction = copy_engine: {}; use nccl", why));
 #endif
 }
 

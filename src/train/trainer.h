@@ -161,6 +161,12 @@ class Trainer {
   // the gradient group once the store is on the device; undefined where the window does not apply (or a rank
   // could not allocate it: then no rank uses it).
   Tensor grads_window_buffer();
+  // parallel.dp_reduction = copy_engine with a gradient group of two or more; throws AgreedError (every rank
+  // alike) where the layout excludes it.
+  bool copy_engine_wanted() const;
+  // Makes dp_reduction_ over the gradient group (collective); AgreedError where the ranks cannot map each
+  // other's memory (other hosts, no peer access).
+  void setup_copy_engine();
   // Whether training steps go through a StepGraph (train.cuda_graphs on a layout that allows them).
   bool step_graphs_apply() const;
   // The non-finite check of a step (docs/reliability.md), collective over the world: every rank gets the
@@ -196,6 +202,9 @@ class Trainer {
   // The flat grads' NCCL registration: released first (members go in reverse order), while the
   // communicators (outside the trainer) and the store (engine_) still exist.
   std::shared_ptr<void> grads_registration_;
+  // parallel.dp_reduction = copy engines (dist/copy_engine_reduction.h; type-erased: CUDA builds only). It
+  // maps the peers' gradients: released before the store.
+  std::shared_ptr<void> dp_reduction_;
 };
 
 }  // namespace ndt

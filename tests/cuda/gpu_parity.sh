@@ -54,6 +54,11 @@ rows=(
   "dp2_zero1_embgather_packed 2 parallel.dp=2 parallel.zero1=true parallel.dp_embedding_grad=gather ${packed[*]}"
   "pp2_dp2_untied_embgather 4   parallel.pp=2 parallel.dp=2 parallel.dp_embedding_grad=gather model.tie_embeddings=0 train.micro_batch=2"
   "dp2_tp2               4      parallel.dp=2 parallel.tp=2"
+  # The gradients all-reduced by copy engines (parallel.dp_reduction; NCCL only, so not with SHARE_GPU=1).
+  "dp2_copy_engine       2      parallel.dp=2 parallel.dp_reduction=copy_engine"
+  "dp4_copy_engine       4      parallel.dp=4 parallel.dp_reduction=copy_engine train.micro_batch=2"
+  "dp2_tp2_copy_engine   4      parallel.dp=2 parallel.tp=2 parallel.dp_reduction=copy_engine"
+  "moe_ep2_copy_engine   2      ${moe[*]} parallel.dp=2 parallel.ep=2 parallel.dp_reduction=copy_engine"
   "tp2_cp2_packed        4      parallel.tp=2 parallel.cp=2 ${packed[*]}"
   "pp2_cp2_packed        4      parallel.pp=2 parallel.cp=2 train.micro_batch=2 ${packed[*]}"
   "pp4_v2_packed         4      parallel.pp=4 parallel.virtual_stages=2 parallel.schedule=interleaved model.n_layers=8 train.micro_batch=2 ${packed[*]}"
@@ -80,6 +85,10 @@ for style in llama gpt2; do
   for row in "${rows[@]}"; do
     read -r name np sets <<<"$row"
     if [[ -n ${ONLY:-} && ! ${style}_${name} =~ $ONLY ]]; then continue; fi
+    if [[ $share == 1 && $sets == *copy_engine* ]]; then
+      skipped+=("${style}_${name}(NCCL)")
+      continue
+    fi
     if ((np > gpus && share != 1)); then
       skipped+=("${style}_${name}(${np})")
       continue
@@ -108,5 +117,5 @@ for style in llama gpt2; do
   done
 done
 how=$([[ $share == 1 ]] && echo "ranks sharing them, device_comm mpi" || echo "one GPU per rank, NCCL")
-echo "gpu_parity: $pass passed, $fail failed on $gpus GPU(s) ($how); not run (GPUs needed): ${skipped[*]:-none}"
+echo "gpu_parity: $pass passed, $fail failed on $gpus GPU(s) ($how); not run (GPUs or NCCL needed): ${skipped[*]:-none}"
 ((fail == 0))
