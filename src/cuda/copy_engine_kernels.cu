@@ -3,6 +3,7 @@
 
 #include "cuda/copy_engine_kernels.h"
 #include "cuda/cuda_check.h"
+#include "cuda/runtime.h"
 
 namespace ndt::cuda {
 namespace {
@@ -50,13 +51,10 @@ void ce_sum_in_rank_order(float* dst, const float* pulled, int64_t count, int n,
                           cudaStream_t stream) {
   if (count <= 0) return;
   const int threads = 256;
-  // Enough blocks to fill the GPU once, not more: the rest of the range in the grid-stride loop.
-  int sms = 132, dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   const bool vec = count % 4 == 0 && aligned16(dst) && aligned16(pulled);
   const int64_t items = vec ? count / 4 : count;
   const int64_t want = (items + threads - 1) / threads;
-  const int64_t cap = 4 * static_cast<int64_t>(sms);
+  const int64_t cap = 4 * static_cast<int64_t>(sm_count());  // four blocks per SM; the rest grid-strides
   const int blocks = static_cast<int>(want < cap ? want : cap);
   if (vec)
     sum_kernel<float4><<<blocks, threads, 0, stream>>>(

@@ -14,6 +14,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_kernel_utils.cuh"
 #include "cuda/flash_attention.h"
+#include "cuda/runtime.h"
 
 namespace ndt::cuda {
 namespace {
@@ -299,12 +300,7 @@ int decode_splits(int64_t nseq, int64_t KV, int64_t rows_k) {
   // (docs/performance.md): 4 sequences of 4096 rows (32 blocks) take 171 us in one part and 39 us in 8,
   // while 64 sequences x 8 kv heads (512 blocks) are slower in any number of parts than in one, the parts'
   // extra prologue and merge costing more than the shorter key loop saves.
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    NDT_CUDA_CHECK(cudaGetDevice(&dev));
-    NDT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }();
+  const int sms = sm_count();
   const int64_t blocks = std::max<int64_t>(1, nseq * KV), per_seg = rows_k / std::max<int64_t>(1, nseq);
   if (blocks >= sms) return 1;
   const int64_t want = (2 * sms + blocks - 1) / blocks;

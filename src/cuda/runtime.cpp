@@ -301,6 +301,20 @@ int current_device() {
   return dev;
 }
 
+int sm_count() {
+  static std::mutex mu;
+  static std::map<int, int> counts;
+  const int dev = current_device();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = counts.find(dev);
+  if (it == counts.end()) {
+    int n = 0;
+    NDT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    it = counts.emplace(dev, n).first;
+  }
+  return it->second;
+}
+
 namespace {
 std::atomic<int64_t> g_external_bytes{0};
 }

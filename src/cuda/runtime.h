@@ -124,6 +124,8 @@ class StreamEvent {
 // count; sets it current and returns its index.
 int select_device(int fallback_rank);
 int current_device();
+// Streaming multiprocessors of the current device (queried once per device).
+int sm_count();
 
 struct MemoryStats {
   // High-water mark of live tensor bytes (as torch's max_memory_allocated): the pool's, or, where larger, the

@@ -113,11 +113,11 @@ std::unique_ptr<CopyEngineReduction> CopyEngineReduction::create(Communicator& g
   std::string err;
   int dev = 0;
   NDT_CUDA_CHECK(cudaGetDevice(&dev));
-  if (!mem_ops().write || !mem_ops().wait) err = "the driver offers no stream memory operations";
   std::vector<int32_t> mine(2 * kHandleInts, 0), all(2 * kHandleInts * static_cast<size_t>(n));
   cudaIpcMemHandle_t hg{}, hf{};
-  if (!err.empty()) {
-  } else if (cudaError_t e = cudaIpcGetMemHandle(&hg, r->grads_); e != cudaSuccess)
+  if (!mem_ops().write || !mem_ops().wait)
+    err = "the driver offers no stream memory operations";
+  else if (cudaError_t e = cudaIpcGetMemHandle(&hg, r->grads_); e != cudaSuccess)
     err = failed("cudaIpcGetMemHandle (gradients)", e);
   else if (cudaError_t e2 = cudaIpcGetMemHandle(&hf, r->flags_); e2 != cudaSuccess)
     err = failed("cudaIpcGetMemHandle (flags)", e2);

@@ -245,10 +245,10 @@ double Optimizer::reduce_grads() {
       // bucket made the host wait for each (GPT-2 on 2 GPUs: ~0.13 ms of idle GPU per bucket of the tied
       // embedding's reduction after backward).
       if (NcclCommunicator* nc = params_.device() == Device::CUDA ? as_nccl(r.dp) : nullptr) {
-        const bool dense = &r == &regions_.front() && r.dp == c_.dp;
         std::shared_ptr<CommHandle> h =
-            range_reducer_ && dense ? range_reducer_(flat.f32() + b, e - b)
-                                    : nc->all_reduce_async(flat.f32() + b, e - b, DType::F32, ReduceOp::Sum);
+            range_reducer_ && &r == &regions_.front()
+                ? range_reducer_(flat.f32() + b, e - b)
+                : nc->all_reduce_async(flat.f32() + b, e - b, DType::F32, ReduceOp::Sum);
         early_waits_.push_back([h] { h->wait(); });
         return;
       }

@@ -132,7 +132,7 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   oc.zero1 = cfg_.parallel.zero1;
   opt_ = std::make_unique<Optimizer>(engine_->params(), cfg_.train, oc);
 #ifdef NDT_HAVE_CUDA
-  if (auto* ce = static_cast<CopyEngineReduction*>(dp_reduction_.get()))
+  if (auto ce = std::static_pointer_cast<CopyEngineReduction>(dp_reduction_))
     opt_->set_range_reducer([ce](float* buf, int64_t count) { return ce->all_reduce_async(buf, count); });
 #endif
   // On GPUs each layer's DP all-reduce starts as soon as its gradients are final, under the backward

@@ -202,8 +202,9 @@ class Trainer {
   // The flat grads' NCCL registration: released first (members go in reverse order), while the
   // communicators (outside the trainer) and the store (engine_) still exist.
   std::shared_ptr<void> grads_registration_;
-  // parallel.dp_reduction = copy engines (dist/copy_engine_reduction.h; type-erased: CUDA builds only). It
-  // maps the peers' gradients: released before the store.
+  // parallel.dp_reduction = copy engines (dist/copy_engine_reduction.h; type-erased: CUDA builds only),
+  // shared with the optimizer's range reducer. It maps the peers' gradients: released with opt_ at the
+  // latest, before the store (engine_).
   std::shared_ptr<void> dp_reduction_;
 };
 
