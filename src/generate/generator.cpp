@@ -508,6 +508,7 @@ bool Generator::refit_copy(const std::function<RefitSource(const std::string&)>&
 }
 
 bool Generator::refit_from(ParamStore& train) {
+  train.settle_values();  // ZeRO-1's values gathered beside the training step
   return refit_copy(
       [&](const std::string& name) {
         const Param* s = train.find(name);

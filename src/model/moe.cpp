@@ -110,6 +110,8 @@ MoeLayer::MoeLayer(const ModelConfig& cfg, const std::string& prefix, ParamStore
   const float proj_std = std / std::sqrt(2.0f * static_cast<float>(cfg.n_layers));
   router_ = &ps.add(prefix + "router.weight", {E_, C_}, InitKind::Normal, std, true);
   if (spec_.sigmoid) bias_ = &ps.add(prefix + "router.expert_bias", {E_}, InitKind::Zeros, 0, false);
+  router_->forward_reads_value = true;  // the router runs in fp32 (route_tokens, linear_forward below)
+  if (bias_) bias_->forward_reads_value = true;
   auto expert = [&](const std::string& name, Shape shape, InitKind init, float s, bool decay) {
     Param& p = ps.add(prefix + "experts." + name, std::move(shape), init, s, decay, 0, eps, ep_->rank());
     p.expert = true;

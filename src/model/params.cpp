@@ -166,6 +166,7 @@ void ParamStore::flatten(int64_t align, int64_t expert_align) {
 }
 
 void ParamStore::to_device(Device dev, DType compute, Tensor grads) {
+  settle_values();
   NDT_CHECK(flat_values_.defined(), "ParamStore::to_device needs a flattened store");
   NDT_CHECK(compute == DType::F32 || compute == DType::BF16, "compute dtype must be f32 or bf16, got {}",
             dtype_name(compute));
@@ -195,7 +196,15 @@ void ParamStore::to_device(Device dev, DType compute, Tensor grads) {
   refresh_compute();
 }
 
+void ParamStore::settle_values() {
+  if (!values_pending_) return;
+  std::function<void()> settle = std::move(values_pending_);
+  values_pending_ = nullptr;
+  settle();
+}
+
 void ParamStore::refresh_compute() {
+  settle_values();
   if (flat_compute_.defined()) ops::cast_into(flat_compute_, flat_values_);
 }
 
@@ -204,6 +213,7 @@ void ParamStore::with_host_values(const std::function<void()>& fn, bool write_ba
     fn();
     return;
   }
+  settle_values();
   const Tensor host = flat_values_.to(Device::CPU);
   std::vector<Tensor> device_views;
   for (size_t i = 0; i < params_.size(); ++i) {

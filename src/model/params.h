@@ -33,6 +33,9 @@ struct Param {
   // A routed-expert weight (E, ...): dim 0 sharded over the EP group (shard_dim 0 when ep > 1), replicated
   // over TP, its gradient reduced over the expert-data-parallel group instead of DP x CP.
   bool expert = false;
+  // The forward reads the fp32 value itself, not the compute copy (the MoE router and its bias): ZeRO-1 then
+  // gathers values at the end of the optimizer step instead of deferring it (ParamStore::settle_values).
+  bool forward_reads_value = false;
   InitKind init = InitKind::Normal;
   float init_std = 0.02f;
   Tensor value;  // local slice (fp32 master weights)
@@ -89,6 +92,14 @@ class ParamStore {
   DType compute_dtype() const { return compute_dtype_; }
   // Re-derives the compute copy from the values (after they were written other than by the optimizer).
   void refresh_compute();
+  // ZeRO-1 on GPUs gathers the other ranks' updated fp32 values beside the next step (the forward reads the
+  // compute copy, gathered at once): until then those values are being written. Whatever reads Param::value
+  // or flat_values() outside the optimizer calls settle_values() first, which makes the current stream (and
+  // so the host's later copies) wait for the gather; with_host_values and refresh_compute do it themselves.
+  // The optimizer sets the hook (nullptr clears it); settling runs it once.
+  void set_values_pending(std::function<void()> settle) { values_pending_ = std::move(settle); }
+  void settle_values();
+  bool values_pending() const { return static_cast<bool>(values_pending_); }
   // Runs fn with every Param::value a host f32 tensor: itself on the CPU; on CUDA views of one host copy
   // of the flat values (checkpoints, weight import/export read and write values on the host). With
   // write_back the host values are copied to the device afterwards (and the compute copy refreshed).
@@ -99,6 +110,7 @@ class ParamStore {
   std::vector<int64_t> offsets_;
   int64_t expert_begin_ = 0;
   Tensor flat_values_, flat_grads_, flat_compute_;
+  std::function<void()> values_pending_;
   Device device_ = Device::CPU;
   DType compute_dtype_ = DType::F32;
 };

@@ -34,6 +34,10 @@ struct OptimizerComms {
   Communicator* norm_extra = nullptr;  // further groups the grad norm sums over (pipeline stages)
   bool sequence_parallel = false;
   bool zero1 = false;
+  // ZeRO-1 on GPUs over NCCL with bf16 compute: gather the compute copy right after the update, in pieces
+  // beside it, and the fp32 values beside the next step (ParamStore::settle_values). False: both at the end
+  // of the step, as on the CPU (NDT_ZERO1_GATHER=step; measurements).
+  bool defer_zero1_gather = true;
 };
 
 class Optimizer {
@@ -41,6 +45,9 @@ class Optimizer {
   // The store must be flattened with align = dp size (and expert_align = expert_dp size) when zero1 is
   // set. Each region of the flat buffer (dense, expert) is reduced and ZeRO-sharded over its own group.
   Optimizer(ParamStore& params, const TrainConfig& cfg, OptimizerComms comms);
+  ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
   // Steps 1-3 above; returns the global gradient norm before clipping. The same as reduce_grads() then
   // clip_grads().
   double reduce_and_clip(double clip);
@@ -114,6 +121,10 @@ class Optimizer {
     // ZeRO-1 over NCCL: gradients reduced to their owners in place (the owned part of the flat gradients
     // holds the reduced gradient); else reduce-scattered into shard_grad.
     bool in_flat = false;
+    // ZeRO-1 with deferred gathers (OptimizerComms::defer_zero1_gather): the fp32 values are gathered over
+    // a communicator of their own, so the gather may run beside the next step's collectives.
+    bool deferred = false;
+    std::shared_ptr<Communicator> values_comm;
     Tensor shard_grad;
     bool sharded() const { return zero; }
     float* grad(ParamStore& ps) const;  // reduced gradient of the owned part
@@ -129,6 +140,8 @@ class Optimizer {
   template <typename F>
   void for_owned(F&& fn);
   void all_gather_owned(Region& r);
+  // Makes the compute stream wait for the deferred gathers of the values (the store's settle hook).
+  void settle_gathers();
 
   ParamStore& params_;
   TrainConfig cfg_;
@@ -140,8 +153,12 @@ class Optimizer {
   std::vector<std::pair<int64_t, int64_t>> early_ranges_;  // reduce_early ranges of this step
   std::vector<std::function<void()>> early_waits_;         // their completion (compute stream waits)
   RangeReducer range_reducer_;
+  std::vector<std::unique_ptr<CommHandle>> values_gathers_;  // deferred, in flight
 #ifdef NDT_HAVE_CUDA
   void step_device(double lr);
+  // A deferred region's bf16 compute copy: this rank's [off, off + count) of its owned part to every peer,
+  // theirs from them (NCCL group of sends and receives, asynchronous).
+  std::unique_ptr<CommHandle> exchange_compute(Region& r, int64_t off, int64_t count);
   // The AdamW runs of the last device step (cuda::AdamwRun as bytes) and their device copy, uploaded again
   // only when they change (the flat buffers stay put, so in practice once).
   std::vector<uint8_t> runs_bytes_;

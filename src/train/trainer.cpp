@@ -130,6 +130,8 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
   oc.norm_extra = c_.pp;
   oc.sequence_parallel = cfg_.parallel.sequence_parallel;
   oc.zero1 = cfg_.parallel.zero1;
+  if (const char* g = std::getenv("NDT_ZERO1_GATHER"); g && std::string(g) == "step")
+    oc.defer_zero1_gather = false;  // (measurements: the gathers at the end of the step)
   opt_ = std::make_unique<Optimizer>(engine_->params(), cfg_.train, oc);
 #ifdef NDT_HAVE_CUDA
   if (auto ce = std::static_pointer_cast<CopyEngineReduction>(dp_reduction_))

@@ -76,6 +76,7 @@ std::vector<std::pair<std::string, Tensor>> Trainer::full_weights() {
 std::optional<std::vector<std::pair<std::string, Tensor>>> Trainer::full_weights_on_device() {
   if ((c_.tp && c_.tp->size() > 1) || (c_.ep && c_.ep->size() > 1) || companion_) return std::nullopt;
   ParamStore& store = engine_->params();
+  store.settle_values();  // (the views below are read on the device stream)
   std::vector<std::pair<std::string, Tensor>> mine;
   for (const auto& p : store.all()) mine.emplace_back(p->name, p->value);  // whole tensors: store views
   if (c_.pp->size() == 1) return mine;
