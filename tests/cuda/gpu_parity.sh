@@ -54,6 +54,9 @@ rows=(
   "dp2_zero1_embgather_packed 2 parallel.dp=2 parallel.zero1=true parallel.dp_embedding_grad=gather ${packed[*]}"
   "pp2_dp2_untied_embgather 4   parallel.pp=2 parallel.dp=2 parallel.dp_embedding_grad=gather model.tie_embeddings=0 train.micro_batch=2"
   "dp2_tp2               4      parallel.dp=2 parallel.tp=2"
+  # ZeRO-1 over four ranks (each piece of the compute copy exchanged with three peers) and with TP + SP.
+  "dp4_zero1             4      parallel.dp=4 parallel.zero1=true train.micro_batch=2"
+  "dp2_tp2_sp_zero1      4      parallel.dp=2 parallel.tp=2 parallel.sequence_parallel=true parallel.zero1=true"
   # The gradients all-reduced by copy engines (parallel.dp_reduction; NCCL only, so not with SHARE_GPU=1).
   "dp2_copy_engine       2      parallel.dp=2 parallel.dp_reduction=copy_engine"
   "dp4_copy_engine       4      parallel.dp=4 parallel.dp_reduction=copy_engine train.micro_batch=2"

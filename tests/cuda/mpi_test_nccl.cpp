@@ -649,54 +649,69 @@ TEST_F(Nccl, GatheredEmbeddingGradAddsEveryRanksRows) {
 // ZeRO-1 with the gathers deferred (the compute copy exchanged in pieces beside the update, the fp32 values
 // gathered over a second communicator beside the next step) against the gathers at the end of the step: the
 // same bits after three steps, the compute copy the rounding of the values, the values settled through
-// with_host_values (the path checkpoints and full_weights take).
+// with_host_values (the path checkpoints and full_weights take). Both again with the gradients in an NCCL
+// window, as the trainer has them: the same bits as in ordinary memory.
 TEST_F(Nccl, Zero1DeferredGatherMatchesGatherAtStep) {
   as_nccl(nc)->set_compute_stream(cuda::stream());
-  auto make_store = [&] {
-    auto ps = std::make_unique<ParamStore>();
-    ps->add("a.weight", {37, 11}, InitKind::Normal, 0.02f, true);
-    ps->add("a.bias", {101}, InitKind::Zeros, 0, false);
-    ps->add("b.weight", {64, 9}, InitKind::Normal, 0.02f, true);
-    ps->add("c.norm", {5}, InitKind::Ones, 0, false);
-    ps->init(7);
-    ps->flatten(size);
-    ps->to_device(Device::CUDA, DType::BF16);
-    return ps;
-  };
   TrainConfig cfg;
   cfg.weight_decay = 0.1;
-  std::vector<float> values[2];
-  std::vector<uint16_t> compute[2];
-  for (int deferred = 0; deferred < 2; ++deferred) {
-    auto ps = make_store();
+  struct Result {
+    std::vector<float> values;
+    std::vector<uint16_t> compute;
+  };
+  auto run = [&](bool deferred, bool windows) {
+    ParamStore ps;
+    ps.add("a.weight", {37, 11}, InitKind::Normal, 0.02f, true);
+    ps.add("a.bias", {101}, InitKind::Zeros, 0, false);
+    ps.add("b.weight", {64, 9}, InitKind::Normal, 0.02f, true);
+    ps.add("c.norm", {5}, InitKind::Ones, 0, false);
+    ps.init(7);
+    ps.flatten(size);
+    Tensor grads;
+    if (windows) grads = nccl_device_zeros(ps.flat_grads().shape(), DType::F32);
+    ps.to_device(Device::CUDA, DType::BF16, grads);
+    std::shared_ptr<void> win;
+    if (windows) win = as_nccl(nc)->register_window(grads.data_ptr(), grads.nbytes());
     OptimizerComms oc;
     oc.dp = nc;
     oc.zero1 = true;
-    oc.defer_zero1_gather = deferred == 1;
-    Optimizer opt(*ps, cfg, oc);
-    const int64_t n = ps->flat_grads().numel();
-    for (int step = 0; step < 3; ++step) {
-      std::vector<float> g = random_vec<float>(n, 1000 + 10 * step + rank);
-      ps->flat_grads().copy_from(Tensor::from_vector(g, {n}).to(Device::CUDA));
-      const double norm = opt.reduce_grads();
-      opt.clip_grads(norm, 0.5 * norm);  // clipped: the factor rides in the update
-      opt.step(1e-2);
-      EXPECT_EQ(ps->values_pending(), deferred == 1) << "step " << step;
+    oc.defer_zero1_gather = deferred;
+    Result res;
+    {
+      Optimizer opt(ps, cfg, oc);
+      const int64_t n = ps.flat_grads().numel();
+      for (int step = 0; step < 3; ++step) {
+        std::vector<float> g = random_vec<float>(n, 1000 + 10 * step + rank);
+        ps.flat_grads().copy_from(Tensor::from_vector(g, {n}).to(Device::CUDA));
+        const double norm = opt.reduce_grads();
+        opt.clip_grads(norm, 0.5 * norm);  // clipped: the factor rides in the update
+        opt.step(1e-2);
+        EXPECT_EQ(ps.values_pending(), deferred) << "step " << step << " windows " << windows;
+      }
+      ps.with_host_values([&] { res.values = ps.flat_values().to_vector<float>(); }, false);
+      EXPECT_FALSE(ps.values_pending());
+      res.compute = ps.flat_compute().to_vector<uint16_t>();
     }
-    ps->with_host_values([&] { values[deferred] = ps->flat_values().to_vector<float>(); }, false);
-    EXPECT_FALSE(ps->values_pending());
-    compute[deferred] = ps->flat_compute().to_vector<uint16_t>();
+    return res;
+  };
+  std::vector<float> plain;
+  for (bool windows : {false, true}) {
+    const Result at_step = run(false, windows), deferred = run(true, windows);
+    if (!windows) plain = at_step.values;
+    if (windows && size == 2)  // (two ranks: a + b whatever NCCL's algorithm)
+      EXPECT_EQ(at_step.values, plain) << "gradients in a window against ordinary memory";
+    ASSERT_EQ(at_step.values.size(), deferred.values.size());
+    EXPECT_EQ(deferred.values, at_step.values) << "windows " << windows;
+    EXPECT_EQ(deferred.compute, at_step.compute) << "windows " << windows;
+    int64_t off = 0;
+    for (size_t i = 0; i < deferred.values.size(); ++i)
+      off += deferred.compute[i] != to_bf16(deferred.values[i]);
+    EXPECT_EQ(off, 0) << "compute copy elements that are not the rounding of their values";
+    // Every rank holds the same values: rank 0's, broadcast.
+    std::vector<float> first = deferred.values;
+    mpi->broadcast(first.data(), static_cast<int64_t>(first.size()), DType::F32, 0);
+    EXPECT_EQ(deferred.values, first) << "windows " << windows;
   }
-  ASSERT_EQ(values[0].size(), values[1].size());
-  EXPECT_EQ(values[1], values[0]);
-  EXPECT_EQ(compute[1], compute[0]);
-  int64_t off = 0;
-  for (size_t i = 0; i < values[1].size(); ++i) off += compute[1][i] != to_bf16(values[1][i]);
-  EXPECT_EQ(off, 0) << "compute copy elements that are not the rounding of their values";
-  // Every rank holds the same values: rank 0's, broadcast.
-  std::vector<float> first = values[1];
-  mpi->broadcast(first.data(), static_cast<int64_t>(first.size()), DType::F32, 0);
-  EXPECT_EQ(values[1], first);
 }
 
 }  // namespace
