@@ -9,6 +9,8 @@
 # GRAD_WINDOW="true false" likewise with each parallel.dp_grad_window (default: true).
 # DP_REDUCTION="nccl copy_engine" likewise with each parallel.dp_reduction (default: nccl; ZeRO-1 rows
 # always reduce with NCCL, so they run once).
+# MODEL=llama measures the 1B Llama instead (configs/llama-1b.yaml, no TP/PP, 8 x 2048 tokens per GPU in
+# microbatches of 4; STEPS=12 WARMUP=4 by default).
 # KERNEL_TRACE=20:22 also records those steps' kernels (`ndtrain train --kernel-trace`): per run,
 # OUTDIR/<run>.kernels.txt (rank 0's table: exposed communication, per-kernel times) and
 # OUTDIR/<run>/kernel_trace/kernels.rank*.json (Chrome traces).
@@ -17,7 +19,15 @@ ndtrain=${1:?usage: dp_scaling.sh NDTRAIN OUTDIR}
 out=${2:?usage: dp_scaling.sh NDTRAIN OUTDIR}
 src=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
-steps=${STEPS:-30} warmup=${WARMUP:-10}
+case ${MODEL:-gpt2} in
+  gpt2) config=gpt2-124m.yaml micro=16 per_gpu=16 seq=1024 model_sets=() dsteps=30 dwarm=10 ;;
+  llama)
+    config=llama-1b.yaml micro=4 per_gpu=8 seq=2048 dsteps=12 dwarm=4
+    model_sets=(parallel.tp=1 parallel.pp=1 parallel.sequence_parallel=false)
+    ;;
+  *) echo "dp_scaling: MODEL must be gpt2 or llama, got '$MODEL'" >&2 && exit 2 ;;
+esac
+steps=${STEPS:-$dsteps} warmup=${WARMUP:-$dwarm}
 embs=${EMBEDDING_GRAD:-auto}
 wins=${GRAD_WINDOW:-true}
 reds=${DP_REDUCTION:-nccl}
@@ -49,9 +59,9 @@ for zero1 in false true; do
     [[ $embs == auto && $wins == true && $reds == nccl ]] && dir=$out/dp${n}_zero1_$zero1
     trace=()
     [[ -n ${KERNEL_TRACE:-} ]] && trace=(--kernel-trace "$dir/kernel_trace" --kernel-trace-steps "$KERNEL_TRACE")
-    timeout 180 mpirun --allow-run-as-root -np "$n" "$ndtrain" train "${trace[@]}" --config "$src/configs/gpt2-124m.yaml" \
-      --set data.task=lm data.tokenizer=byte train.device=cuda train.precision=bf16 parallel.dp="$n" \
-      parallel.zero1=$zero1 parallel.dp_embedding_grad="$emb" parallel.dp_grad_window="$win" parallel.dp_reduction="$red" train.micro_batch=16 train.global_batch=$((16 * n)) train.steps="$steps" \
+    timeout 300 mpirun --allow-run-as-root -np "$n" "$ndtrain" train "${trace[@]}" --config "$src/configs/$config" \
+      --set data.task=lm data.tokenizer=byte train.device=cuda train.precision=bf16 parallel.dp="$n" "${model_sets[@]}" \
+      parallel.zero1=$zero1 parallel.dp_embedding_grad="$emb" parallel.dp_grad_window="$win" parallel.dp_reduction="$red" train.micro_batch=$micro train.global_batch=$((per_gpu * n)) train.steps="$steps" \
       train.warmup_steps=5 train.log_every=10 train.eval_every=0 "train.out_dir=$dir" >"$dir.log" 2>&1
     rc=$?
     med=nan
@@ -64,7 +74,7 @@ for zero1 in false true; do
       continue
     fi
     read -r tps eff <<<"$(python3 -c "
-t = 16 * 1024 * $n / $med; b = $base
+t = $per_gpu * $seq * $n / $med; b = $base
 print(f'{t:.0f}', f'{t / ($n * b):.3f}' if b else '1.000')")"
     [[ $n == 1 ]] && base=$tps
     printf '| %s | %s | %s | %s | %s | %.2f | %s | %s |\n' "$n" "$zero1" "$emb" "$win" "$red" "$(python3 -c "print(1e3 * $med)")" "$tps" \
