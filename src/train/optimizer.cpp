@@ -81,8 +81,14 @@ Optimizer::Optimizer(ParamStore& params, const TrainConfig& cfg, OptimizerComms 
 }
 
 Optimizer::~Optimizer() {
-  // The gathers read and write the store's values and use the communicators this object owns.
-  for (auto& h : values_gathers_) h->synchronize();
+  // The gathers read and write the store's values and use the communicators this object owns. No throw from
+  // here: a failure (an aborted communicator) is reported by whoever met it first.
+  for (auto& h : values_gathers_) {
+    try {
+      h->synchronize();
+    } catch (...) {
+    }
+  }
   values_gathers_.clear();
   if (params_.values_pending()) params_.set_values_pending(nullptr);
 }
