@@ -73,10 +73,7 @@ Optimizer::Optimizer(ParamStore& params, const TrainConfig& cfg, OptimizerComms 
   for (const Region& r : regions_) defer = defer && (!r.zero || r.in_flat);
   if (defer)
     for (Region& r : regions_)
-      if (r.zero) {
-        r.deferred = true;
-        r.values_comm = std::shared_ptr<Communicator>(r.dp->split(0, r.dp->rank()));
-      }
+      if (r.zero) r.values_comm = std::shared_ptr<Communicator>(r.dp->split(0, r.dp->rank()));
 #endif
 }
 
@@ -157,11 +154,19 @@ void Optimizer::reduce_early(int64_t begin, int64_t end) {
     reduce_to_owners(regions_.front(), begin, end);
     return;
   }
-  float* g = params_.flat_grads().f32() + begin;
-  std::shared_ptr<CommHandle> h =
-      range_reducer_ ? range_reducer_(g, end - begin)
-                     : as_nccl(c_.dp)->all_reduce_async(g, end - begin, DType::F32, ReduceOp::Sum);
+  all_reduce_range(regions_.front(), begin, end);
+#endif
+}
+
+void Optimizer::all_reduce_range(Region& r, int64_t b, int64_t e) {
+#ifdef NDT_HAVE_NCCL
+  float* g = params_.flat_grads().f32() + b;
+  std::shared_ptr<CommHandle> h = range_reducer_ && &r == &regions_.front()
+                                      ? range_reducer_(g, e - b)
+                                      : as_nccl(r.dp)->all_reduce_async(g, e - b, DType::F32, ReduceOp::Sum);
   early_waits_.push_back([h] { h->wait(); });
+#else
+  (void)r, (void)b, (void)e;
 #endif
 }
 
@@ -276,12 +281,8 @@ double Optimizer::reduce_grads() {
       // On NCCL one non-blocking call per range, waited for on the compute stream below: a blocking call per
       // bucket made the host wait for each (GPT-2 on 2 GPUs: ~0.13 ms of idle GPU per bucket of the tied
       // embedding's reduction after backward).
-      if (NcclCommunicator* nc = params_.device() == Device::CUDA ? as_nccl(r.dp) : nullptr) {
-        std::shared_ptr<CommHandle> h =
-            range_reducer_ && &r == &regions_.front()
-                ? range_reducer_(flat.f32() + b, e - b)
-                : nc->all_reduce_async(flat.f32() + b, e - b, DType::F32, ReduceOp::Sum);
-        early_waits_.push_back([h] { h->wait(); });
+      if (params_.device() == Device::CUDA && as_nccl(r.dp)) {
+        all_reduce_range(r, b, e);
         return;
       }
 #endif
@@ -400,7 +401,7 @@ void Optimizer::step_device(double lr) {
   std::vector<Group> groups;
   for (Region& r : regions_) {
     const int64_t len = r.own_end - r.own_begin;
-    const int pieces = r.deferred ? kExchangePieces : 1;
+    const int pieces = r.deferred() ? kExchangePieces : 1;
     for (int k = 0; k < pieces; ++k) {
       const auto cut = [&](int i) {
         return i == pieces ? r.own_end : r.own_begin + len * i / pieces / kPieceAlign * kPieceAlign;
@@ -438,14 +439,14 @@ void Optimizer::step_device(double lr) {
                               static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2),
                               static_cast<float>(cfg_.adam_eps), static_cast<float>(cfg_.weight_decay), step_,
                               grad_scale_, cuda::stream());
-    if (g.r->deferred && g.hi > g.lo)
+    if (g.r->deferred() && g.hi > g.lo)
       exchanges.push_back(exchange_compute(*g.r, g.lo - g.r->own_begin, g.hi - g.lo));
   }
   grad_scale_ = 1.0f;
   for (auto& h : exchanges) h->wait();  // the next forward reads the whole compute copy
   bool refresh = false;
   for (Region& r : regions_) {
-    if (r.deferred) {
+    if (r.deferred()) {
       const int64_t shard = r.own_end - r.own_begin;
       values_gathers_.push_back(
           r.values_comm->all_gather_async(w + r.own_begin, w + r.begin, shard, DType::F32));

@@ -123,8 +123,8 @@ class Optimizer {
     bool in_flat = false;
     // ZeRO-1 with deferred gathers (OptimizerComms::defer_zero1_gather): the fp32 values are gathered over
     // a communicator of their own, so the gather may run beside the next step's collectives.
-    bool deferred = false;
     std::shared_ptr<Communicator> values_comm;
+    bool deferred() const { return values_comm != nullptr; }
     Tensor shard_grad;
     bool sharded() const { return zero; }
     float* grad(ParamStore& ps) const;  // reduced gradient of the owned part
@@ -136,6 +136,9 @@ class Optimizer {
   // ZeRO-1 in place: reduces [b, e) of region r to the owners of its parts (asynchronous; appended to
   // early_waits_).
   void reduce_to_owners(Region& r, int64_t b, int64_t e);
+  // Plain DP over NCCL: all-reduces [b, e) of region r (asynchronous; appended to early_waits_), through the
+  // range reducer where the region is the dense one and one is set.
+  void all_reduce_range(Region& r, int64_t b, int64_t e);
   // Calls fn(param, region, b, e) for every parameter piece [b, e) (flat indices) this rank owns.
   template <typename F>
   void for_owned(F&& fn);
