@@ -6,11 +6,8 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
-#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -118,75 +115,10 @@ cublasLtEpilogue_t lt_epilogue(Epi e) {
   return CUBLASLT_EPILOGUE_DEFAULT;
 }
 
-// NDT_GEMM_AUTOTUNE=1: a new problem (no epilogue) times cuBLASLt's first kTuneCandidates heuristic answers
-// on its own operands and keeps the fastest, instead of taking the first answer. Timing picks differ between
-// runs and ranks, so it is off by default: a replicated product (an MoE router under TP) must stay bitwise
-// equal across ranks, and a resumed run should replay the same kernels.
-constexpr int kTuneCandidates = 8;
-
-bool autotune_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("NDT_GEMM_AUTOTUNE");
-    return v && std::strcmp(v, "0") != 0 && *v;
-  }();
-  return on;
-}
-
-bool autotune_verbose() {
-  static const bool on = [] {
-    const char* v = std::getenv("NDT_GEMM_AUTOTUNE");
-    return v && std::strcmp(v, "verbose") == 0;
-  }();
-  return on;
-}
-
-// Times each candidate (one warm-up, then kTuneReps runs between events) writing into a scratch output,
-// so the caller's C (which a beta = 1 product reads) is untouched. Runs outside graph capture only.
-cublasLtMatmulAlgo_t fastest_algo(cublasLtHandle_t lt, const Plan& plan, DType ab, DType c, const ColMajor& p,
-                                  const cublasLtMatmulHeuristicResult_t* results, int found,
-                                  cudaStream_t stream) {
-  constexpr int kTuneReps = 5;
-  const size_t out_bytes = static_cast<size_t>(p.ldc) * static_cast<size_t>(p.n) * (c == DType::bf16 ? 2 : 4);
-  void *out = nullptr, *ws = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
-  NDT_CUDA_CHECK(cudaMallocAsync(&out, out_bytes, stream));
-  NDT_CUDA_CHECK(cudaMallocAsync(&ws, kWorkspaceBytes, stream));
-  NDT_CUDA_CHECK(cudaEventCreate(&start));
-  NDT_CUDA_CHECK(cudaEventCreate(&stop));
-  const float alpha = 1.0f, beta = 0.0f;
-  int best = 0;
-  float best_ms = 0.0f;
-  std::string report;
-  for (int i = 0; i < found; ++i) {
-    const auto launch = [&] {
-      return cublasLtMatmul(lt, plan.desc, &alpha, p.A, plan.a, p.B, plan.b, &beta, out, plan.c, out, plan.c,
-                            &results[i].algo, ws, kWorkspaceBytes, stream);
-    };
-    if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // offered yet refused: not a candidate
-    NDT_CUDA_CHECK(cudaEventRecord(start, stream));
-    for (int r = 0; r < kTuneReps; ++r) NDT_CUBLAS_CHECK(launch());
-    NDT_CUDA_CHECK(cudaEventRecord(stop, stream));
-    NDT_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    NDT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    if (autotune_verbose()) report += fmt::format(" {}:{:.3f}", i, ms / kTuneReps);
-    if (i == 0 || ms < best_ms) best = i, best_ms = ms;
-  }
-  if (autotune_verbose())
-    fmt::print(stderr, "[gemm autotune] m={} n={} k={} ta={} tb={} ms{} -> {}\n", p.m, p.n, p.k, p.ta, p.tb,
-               report, best);
-  NDT_CUDA_CHECK(cudaFreeAsync(out, stream));
-  NDT_CUDA_CHECK(cudaFreeAsync(ws, stream));
-  NDT_CUDA_CHECK(cudaEventDestroy(start));
-  NDT_CUDA_CHECK(cudaEventDestroy(stop));
-  return results[best].algo;
-}
-
 // The GELU aux pointer and its leading dim are set before the heuristic query, which reads the pointer's
 // alignment. The aux type is left at its default, the output type (bf16 aux for a bf16 output).
 Plan make_plan(cublasLtHandle_t lt, DType ab, DType c, const ColMajor& p, Epi epi, int align_a, int align_b,
-               int align_c, void* aux = nullptr, int64_t ldaux = 0,
-               const cudaStream_t* tune_stream = nullptr) {
+               int align_c, void* aux = nullptr, int64_t ldaux = 0) {
   Plan plan;
   NDT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t opa = p.ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = p.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -228,14 +160,13 @@ Plan make_plan(cublasLtHandle_t lt, DType ab, DType c, const ColMajor& p, Epi ep
                                                         sizeof(ac)));
   NDT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac,
                                                         sizeof(ac)));
-  const bool tune = epi == Epi::none && tune_stream && autotune_enabled();
-  cublasLtMatmulHeuristicResult_t results[kTuneCandidates]{};
+  cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, plan.desc, plan.a, plan.b, plan.c, plan.c,
-                                                           pref, tune ? kTuneCandidates : 1, results, &found);
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(lt, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
-    plan.algo = tune ? fastest_algo(lt, plan, ab, c, p, results, found, *tune_stream) : results[0].algo;
+    plan.algo = result.algo;
     plan.ok = true;
   } else if (st != CUBLAS_STATUS_NOT_SUPPORTED && !(aux && st == CUBLAS_STATUS_INVALID_VALUE)) {
     NDT_CUBLAS_CHECK(st);  // (a GELU epilogue this cuBLASLt refuses is no error: it runs unfused)
@@ -344,12 +275,7 @@ void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, i
     return cublasLtMatmul(s.lt, pl.desc, &alpha, p.A, pl.a, p.B, pl.b, &beta, C, pl.c, C, pl.c, &pl.algo,
                           workspace(s, stream), kWorkspaceBytes, stream);
   };
-  Plan* plan = find_plan(key, p, run, [&] {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    NDT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    const bool tunable = capture == cudaStreamCaptureStatusNone;
-    return make_plan(s.lt, ab, c, p, epi, aa, ab_, ac, nullptr, 0, tunable ? &stream : nullptr);
-  });
+  Plan* plan = find_plan(key, p, run, [&] { return make_plan(s.lt, ab, c, p, epi, aa, ab_, ac); });
   if (!plan) return;  // ran on its size class's plan
   if (!plan->ok) {
     if (epilogue_bias) {
