@@ -209,6 +209,29 @@ void CopyEngineReduction::signal_and_wait(Kind kind, int64_t slot) {
   }
 }
 
+void CopyEngineReduction::pull_and_sum(float* buf, int64_t offset, int64_t lo, int64_t hi, bool push) {
+  float* scratch = scratch_.f32();
+  for (int64_t at = lo; at < hi; at += kPieceElems) {
+    const int64_t len = std::min(kPieceElems, hi - at);
+    int k = 0;
+    for (int q = 0; q < n_; ++q)
+      if (q != rank_)
+        NDT_CUDA_CHECK(cudaMemcpyAsync(scratch + (k++) * len, peer_grads_[q] + offset + at,
+                                       sizeof(float) * len, cudaMemcpyDefault, stream_));
+    cuda::ce_sum_in_rank_order(buf + at, scratch, len, n_, rank_, stream_);
+    if (!push) continue;
+    NDT_CUDA_CHECK(cudaEventRecord(summed_, stream_));
+    NDT_CUDA_CHECK(cudaStreamWaitEvent(push_stream_, summed_, 0));
+    for (int q = 0; q < n_; ++q)
+      if (q != rank_)
+        NDT_CUDA_CHECK(cudaMemcpyAsync(peer_grads_[q] + offset + at, buf + at, sizeof(float) * len,
+                                       cudaMemcpyDefault, push_stream_));
+  }
+  if (!push) return;
+  NDT_CUDA_CHECK(cudaEventRecord(pushed_, push_stream_));
+  NDT_CUDA_CHECK(cudaStreamWaitEvent(stream_, pushed_, 0));
+}
+
 std::unique_ptr<CommHandle> CopyEngineReduction::all_reduce_async(float* buf, int64_t count) {
   const int64_t offset = buf - grads_;
   NDT_CHECK(count > 0 && offset >= 0 && offset + count <= numel_,
@@ -221,25 +244,28 @@ std::unique_ptr<CommHandle> CopyEngineReduction::all_reduce_async(float* buf, in
   const int64_t part = (count + n_ - 1) / n_;
   const int64_t lo = std::min<int64_t>(rank_ * part, count), hi = std::min<int64_t>(lo + part, count);
   signal_and_wait(kReady, slot);  // every rank's range is final
-  float* scratch = scratch_.f32();
-  for (int64_t at = lo; at < hi; at += kPieceElems) {
-    const int64_t len = std::min(kPieceElems, hi - at);
-    int k = 0;
-    for (int q = 0; q < n_; ++q)
-      if (q != rank_)
-        NDT_CUDA_CHECK(cudaMemcpyAsync(scratch + (k++) * len, peer_grads_[q] + offset + at,
-                                       sizeof(float) * len, cudaMemcpyDefault, stream_));
-    cuda::ce_sum_in_rank_order(buf + at, scratch, len, n_, rank_, stream_);
-    NDT_CUDA_CHECK(cudaEventRecord(summed_, stream_));
-    NDT_CUDA_CHECK(cudaStreamWaitEvent(push_stream_, summed_, 0));
-    for (int q = 0; q < n_; ++q)
-      if (q != rank_)
-        NDT_CUDA_CHECK(cudaMemcpyAsync(peer_grads_[q] + offset + at, buf + at, sizeof(float) * len,
-                                       cudaMemcpyDefault, push_stream_));
-  }
-  NDT_CUDA_CHECK(cudaEventRecord(pushed_, push_stream_));
-  NDT_CUDA_CHECK(cudaStreamWaitEvent(stream_, pushed_, 0));
+  pull_and_sum(buf, offset, lo, hi, /*push=*/true);
   signal_and_wait(kReduced, slot);  // every part pushed everywhere (after its owner's pulls from there)
+  return std::make_unique<StreamHandle>(compute, stream_, "an asynchronous copy-engine reduction", n_);
+}
+
+std::unique_ptr<CommHandle> CopyEngineReduction::reduce_to_owner_async(float* buf, int64_t count,
+                                                                       int64_t own_begin, int64_t own_end) {
+  const int64_t offset = buf - grads_;
+  NDT_CHECK(count > 0 && offset >= 0 && offset + count <= numel_ && own_begin <= own_end,
+            "copy-engine reduction to owners: [{}, {}) (own part [{}, {})) is not inside the registered "
+            "gradients ({} elements)",
+            offset, offset + count, own_begin, own_end, numel_);
+  const int64_t slot = slot_of(offset, count);
+  const cudaStream_t compute = cuda::stream();
+  NDT_CUDA_CHECK(cudaEventRecord(ready_, compute));
+  NDT_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
+  const int64_t lo = std::clamp(own_begin - offset, int64_t{0}, count);
+  const int64_t hi = std::clamp(own_end - offset, lo, count);
+  signal_and_wait(kReady, slot);  // every rank's range is final
+  pull_and_sum(buf, offset, lo, hi, /*push=*/false);
+  // Every owner done pulling from this rank's range (which the next step zeroes), ours from theirs.
+  signal_and_wait(kReduced, slot);
   return std::make_unique<StreamHandle>(compute, stream_, "an asynchronous copy-engine reduction", n_);
 }
 

@@ -47,6 +47,13 @@ class CopyEngineReduction {
   // same order of calls on every rank. The handle's wait() makes the compute stream wait for the result
   // (every peer done with this rank's range); synchronize() blocks the host.
   std::unique_ptr<CommHandle> all_reduce_async(float* buf, int64_t count);
+  // ZeRO-1's reduction to the owners: the part of grads[offset, offset + count) inside this rank's own part
+  // grads[own_begin, own_end) becomes its sum over the group (pulled from every peer, added in rank order);
+  // the rest of this rank's range is left as it was. The same calls in the same order on every rank (each
+  // passing its own part). wait(): the compute stream waits until the sum is in place and every peer is done
+  // pulling from this rank's range.
+  std::unique_ptr<CommHandle> reduce_to_owner_async(float* buf, int64_t count, int64_t own_begin,
+                                                    int64_t own_end);
 
   // Elements each part is pulled, added and pushed in at most (the scratch holds n - 1 such pieces).
   static constexpr int64_t kPieceElems = int64_t{1} << 21;
@@ -56,6 +63,9 @@ class CopyEngineReduction {
   enum Kind : int { kReady = 0, kReduced = 1, kKinds = 2 };
   static constexpr int64_t kSlots = 1024;  // distinct ranges per buffer
   int64_t slot_of(int64_t offset, int64_t count);
+  // Pulls [lo, hi) of every peer's buffer in pieces, adds them in rank order into buf + lo (`offset`: buf's
+  // place in grads); with push, sends each piece's sum back into every peer.
+  void pull_and_sum(float* buf, int64_t offset, int64_t lo, int64_t hi, bool push);
   // Flag of (kind, slot) that rank `from` sets in the memory of the rank waiting for it.
   int64_t flag_index(Kind kind, int64_t slot, int from) const { return (kind * kSlots + slot) * n_ + from; }
   // Sets this rank's flag (kind, slot) in every peer's memory, then waits until every peer has set theirs

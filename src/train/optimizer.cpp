@@ -191,6 +191,11 @@ void Optimizer::reduce_to_owners(Region& r, int64_t b, int64_t e) {
   NcclCommunicator* nc = as_nccl(r.dp);
   NDT_CHECK(nc && r.in_flat, "reduce_to_owners: needs ZeRO-1 over NCCL");
   float* g = params_.flat_grads().f32();
+  if (owner_reducer_ && &r == &regions_.front()) {
+    std::shared_ptr<CommHandle> h = owner_reducer_(g + b, e - b, r.own_begin, r.own_end);
+    early_waits_.push_back([h] { h->wait(); });
+    return;
+  }
   // Every rank walks the same owners in the same order, so the NCCL calls match.
   for (int q = 0; q < r.dp->size(); ++q) {
     const int64_t lo = std::max(b, r.owner_begin(q)), hi = std::min(e, r.owner_begin(q + 1));

@@ -89,6 +89,11 @@ class Optimizer {
   // the same order on every rank (the copy-engine reduction, dist/copy_engine_reduction.h).
   using RangeReducer = std::function<std::unique_ptr<CommHandle>(float* buf, int64_t count)>;
   void set_range_reducer(RangeReducer reduce) { range_reducer_ = std::move(reduce); }
+  // ZeRO-1 on the device: where set, the dense region's reductions to the owners go through `reduce` (buf,
+  // count, this rank's owned part as flat indices [own_begin, own_end)) instead of NCCL's reduce per owner.
+  using OwnerReducer = std::function<std::unique_ptr<CommHandle>(float* buf, int64_t count, int64_t own_begin,
+                                                                 int64_t own_end)>;
+  void set_owner_reducer(OwnerReducer reduce) { owner_reducer_ = std::move(reduce); }
   // Step 4 with learning rate lr.
   void step(double lr);
   int64_t steps_taken() const { return step_; }
@@ -156,6 +161,7 @@ class Optimizer {
   std::vector<std::pair<int64_t, int64_t>> early_ranges_;  // reduce_early ranges of this step
   std::vector<std::function<void()>> early_waits_;         // their completion (compute stream waits)
   RangeReducer range_reducer_;
+  OwnerReducer owner_reducer_;
   std::vector<std::unique_ptr<CommHandle>> values_gathers_;  // deferred, in flight
 #ifdef NDT_HAVE_CUDA
   void step_device(double lr);

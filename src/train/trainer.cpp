@@ -134,8 +134,14 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
     oc.defer_zero1_gather = false;  // (measurements: the gathers at the end of the step)
   opt_ = std::make_unique<Optimizer>(engine_->params(), cfg_.train, oc);
 #ifdef NDT_HAVE_CUDA
-  if (auto ce = std::static_pointer_cast<CopyEngineReduction>(dp_reduction_))
-    opt_->set_range_reducer([ce](float* buf, int64_t count) { return ce->all_reduce_async(buf, count); });
+  if (auto ce = std::static_pointer_cast<CopyEngineReduction>(dp_reduction_)) {
+    if (cfg_.parallel.zero1)
+      opt_->set_owner_reducer([ce](float* buf, int64_t count, int64_t own_begin, int64_t own_end) {
+        return ce->reduce_to_owner_async(buf, count, own_begin, own_end);
+      });
+    else
+      opt_->set_range_reducer([ce](float* buf, int64_t count) { return ce->all_reduce_async(buf, count); });
+  }
 #endif
   // On GPUs each layer's DP all-reduce starts as soon as its gradients are final, under the backward
   // of the layers before it. The gathered embedding gradient needs the same reports (blocking reductions
@@ -186,8 +192,6 @@ bool Trainer::copy_engine_wanted() const {
   std::string why;  // why this layout cannot use it (the same on every rank)
   if (cfg_.train.device != "cuda")
     why = "the gradients are on the CPU";
-  else if (cfg_.parallel.zero1)
-    why = "ZeRO-1 reduces to the owners of the optimizer's shards (NCCL)";
   else if (cfg_.model.tied() && cfg_.parallel.dp_embedding_grad == "gather")
     why = "the gathered rows of a tied table are added after NCCL's reduction of its head part";
 #ifdef NDT_HAVE_NCCL
@@ -209,8 +213,8 @@ void Trainer::setup_copy_engine() {
   if (ce) {
     dp_reduction_ = std::shared_ptr<CopyEngineReduction>(std::move(ce));
     if (c_.world->rank() == 0)
-      std::printf("parallel.dp_reduction: gradients all-reduced by copy engines over %d ranks\n",
-                  c_.grad->size());
+      std::printf("parallel.dp_reduction: gradients %s by copy engines over %d ranks\n",
+                  cfg_.parallel.zero1 ? "reduced to their ZeRO-1 owners" : "all-reduced", c_.grad->size());
     return;
   }
   throw AgreedError(fmt::format("parallel.dp_reduction = copy_engine: {}; use nccl", why));

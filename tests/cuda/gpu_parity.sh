@@ -62,6 +62,8 @@ rows=(
   "dp4_copy_engine       4      parallel.dp=4 parallel.dp_reduction=copy_engine train.micro_batch=2"
   "dp2_tp2_copy_engine   4      parallel.dp=2 parallel.tp=2 parallel.dp_reduction=copy_engine"
   "moe_ep2_copy_engine   2      ${moe[*]} parallel.dp=2 parallel.ep=2 parallel.dp_reduction=copy_engine"
+  "dp2_zero1_copy_engine 2      parallel.dp=2 parallel.zero1=true parallel.dp_reduction=copy_engine"
+  "dp4_zero1_copy_engine 4      parallel.dp=4 parallel.zero1=true parallel.dp_reduction=copy_engine train.micro_batch=2"
   "tp2_cp2_packed        4      parallel.tp=2 parallel.cp=2 ${packed[*]}"
   "pp2_cp2_packed        4      parallel.pp=2 parallel.cp=2 train.micro_batch=2 ${packed[*]}"
   "pp4_v2_packed         4      parallel.pp=4 parallel.virtual_stages=2 parallel.schedule=interleaved model.n_layers=8 train.micro_batch=2 ${packed[*]}"

@@ -591,6 +591,59 @@ TEST_F(Nccl, CopyEngineReductionSumsInRankOrder) {
   ce.reset();  // before the memory goes
 }
 
+// ZeRO-1's reduction to the owners by copy engines: the flat buffer split into one part per rank, the same
+// ranges as above (some inside one part, some across parts). Each rank's own part must hold the host's
+// rank-order sum bit for bit and the rest its own values untouched; eagerly and replayed from a graph.
+TEST_F(Nccl, CopyEngineReduceToOwnersSumsInRankOrder) {
+  const int64_t part = CopyEngineReduction::kPieceElems + 1000, total = part * size;
+  Tensor flat = ipc_device_zeros(total);
+  std::string why;
+  std::unique_ptr<CopyEngineReduction> ce = CopyEngineReduction::create(*nc, flat, why);
+  ASSERT_NE(ce, nullptr) << why;
+  const int64_t own_b = rank * part, own_e = own_b + part;
+  std::vector<std::pair<int64_t, int64_t>> ranges = {{0, 1000}, {1000, 1003}, {1003, part + 17}};
+  for (int64_t b = part + 17; b < total; b += part / 3 + 5)
+    ranges.emplace_back(b, std::min(total, b + part / 3 + 5));
+  auto run = [&](uint64_t test) {
+    std::vector<float> x = random_vec<float>(total, seed(test));
+    NDT_CUDA_CHECK(cudaMemcpy(flat.data_ptr(), x.data(), total * sizeof(float), cudaMemcpyHostToDevice));
+    std::vector<float> all(static_cast<size_t>(total) * size), ref = x;
+    mpi->all_gather(x.data(), all.data(), total, DType::F32);
+    for (int64_t i = own_b; i < own_e; ++i) {
+      float acc = all[i];
+      for (int q = 1; q < size; ++q) acc += all[q * total + i];
+      ref[i] = acc;
+    }
+    return ref;
+  };
+  auto enqueue = [&] {
+    std::vector<std::unique_ptr<CommHandle>> hs;
+    for (auto [b, e] : ranges) hs.push_back(ce->reduce_to_owner_async(flat.f32() + b, e - b, own_b, own_e));
+    for (auto& h : hs) h->wait();
+  };
+  for (uint64_t step = 0; step < 2; ++step) {
+    std::vector<float> ref = run(190 + step);
+    enqueue();
+    NDT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+    expect_match(flat.to(Device::CPU).to_vector<float>(), ref, 0, "copy-engine reduce to owners, eager");
+  }
+  cudaGraph_t graph = nullptr;
+  NDT_CUDA_CHECK(cudaStreamBeginCapture(cuda::stream(), cudaStreamCaptureModeRelaxed));
+  enqueue();
+  NDT_CUDA_CHECK(cudaStreamEndCapture(cuda::stream(), &graph));
+  cudaGraphExec_t exec = nullptr;
+  NDT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (uint64_t step = 0; step < 2; ++step) {
+    std::vector<float> ref = run(200 + step);
+    NDT_CUDA_CHECK(cudaGraphLaunch(exec, cuda::stream()));
+    NDT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+    expect_match(flat.to(Device::CPU).to_vector<float>(), ref, 0, "copy-engine reduce to owners, replayed");
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  ce.reset();  // before the memory goes
+}
+
 // DP's gathered embedding gradient over NCCL as the trainer runs it: bf16 rows on the device, ids on the
 // host, a vocabulary shard, lengths that differ per rank, frequent ids. Every rank must end with the host sum
 // of all ranks' rows (small integers: exact in bf16 and in any fp32 order).
