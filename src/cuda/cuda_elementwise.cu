@@ -103,23 +103,23 @@ struct SwigluBwd {
   bool accumulate;
   template <int N>
   __device__ void apply(int64_t i) const {
-    float g[N], u[N], go[N], a[N];
+    float g[N], u[N], go[N], sig[N], a[N];
     load<N>(g, gate, i);
     load<N>(u, up, i);
     load<N>(go, dout, i);
+    // One exponential and one division per element for both gradients (as the CPU twin computes them).
+#pragma unroll
+    for (int k = 0; k < N; ++k) sig[k] = 1.0f / (1.0f + expf(-g[k]));
     if (dgate) {
       load_or_zero<N>(a, dgate, i, accumulate);
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const float sig = 1.0f / (1.0f + expf(-g[k]));
-        a[k] += go[k] * u[k] * sig * (1.0f + g[k] * (1.0f - sig));
-      }
+      for (int k = 0; k < N; ++k) a[k] += go[k] * u[k] * sig[k] * (1.0f + g[k] * (1.0f - sig[k]));
       store<N>(dgate, i, a);
     }
     if (dup) {
       load_or_zero<N>(a, dup, i, accumulate);
 #pragma unroll
-      for (int k = 0; k < N; ++k) a[k] += go[k] * g[k] / (1.0f + expf(-g[k]));
+      for (int k = 0; k < N; ++k) a[k] += go[k] * g[k] * sig[k];
       store<N>(dup, i, a);
     }
   }

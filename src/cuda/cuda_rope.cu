@@ -8,6 +8,10 @@ namespace ndt::cuda {
 
 namespace {
 using detail::from_f;
+using detail::kVec;
+using detail::load;
+using detail::Pack;
+using detail::store;
 using detail::to_f;
 
 // cs_sn[i] = cos(pos * theta^(-2i/D)), cs_sn[D/2 + i] = sign * sin(...), by the whole block, which then
@@ -51,50 +55,75 @@ __global__ void rope_kernel(E* out, const E* inp, const int32_t* pos, int64_t H,
 }
 
 // One block per token: its row of the fused projection [q (H*D) | k (KV*D) | v (KV*D)] becomes the rows of
-// q and k, rotated with the same angles as rope_kernel, and of v, copied.
-template <typename E>
+// q and k, rotated with the same angles as rope_kernel, and of v, copied. Each thread takes C consecutive
+// pairs (C = 1, or a 16-byte pack when the head's half and the pointers allow): memory-bound, so the wide
+// accesses are what sets its speed; the arithmetic per element is the same either way.
+template <typename E, int C>
 __global__ void qkv_split_rope_kernel(E* q, E* k, E* v, const E* qkv, const int32_t* pos, const int32_t* rows,
-                                      int64_t H, int64_t KV, int64_t D, double log_theta) {
+                                      int H, int KV, int D, double log_theta) {
   extern __shared__ float cs_sn[];
   const int64_t t = blockIdx.x, r = rows ? rows[t] : t;  // r: the k/v row of token t
-  const int64_t half = D / 2;
+  const int half = D / 2, per_head = half / C;
   rope_angles(cs_sn, pos[t], D, log_theta, 1.0f);
   const E* x = qkv + t * (H + 2 * KV) * D;
-  for (int64_t idx = threadIdx.x; idx < (H + KV) * half; idx += blockDim.x) {
-    const int64_t h = idx / half, i = idx - h * half;
-    const int64_t j = h * D + i;
-    E* o = h < H ? q + t * H * D + j : k + r * KV * D + (j - H * D);
-    const float x1 = to_f(x[j]), x2 = to_f(x[j + half]);
-    const float c = cs_sn[i], s = cs_sn[half + i];
-    o[0] = from_f<E>(x1 * c - x2 * s);
-    o[half] = from_f<E>(x2 * c + x1 * s);
+  E* qt = q + t * H * D;
+  E* kt = k + r * KV * D;
+  for (int idx = threadIdx.x; idx < (H + KV) * per_head; idx += blockDim.x) {
+    const int h = idx / per_head, i = (idx - h * per_head) * C;
+    const int j = h * D + i;
+    E* o = h < H ? qt + j : kt + (j - H * D);
+    float x1[C], x2[C], y1[C], y2[C];
+    load<C>(x1, x, j);
+    load<C>(x2, x, j + half);
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const float cs = cs_sn[i + c], sn = cs_sn[half + i + c];
+      y1[c] = x1[c] * cs - x2[c] * sn;
+      y2[c] = x2[c] * cs + x1[c] * sn;
+    }
+    store<C>(o, 0, y1);
+    store<C>(o, half, y2);
   }
-  for (int64_t idx = threadIdx.x; idx < KV * D; idx += blockDim.x)
-    v[r * KV * D + idx] = x[(H + KV) * D + idx];
+  const E* xv = x + (H + KV) * D;
+  E* vt = v + r * KV * D;
+  for (int idx = threadIdx.x * C; idx < KV * D; idx += blockDim.x * C)
+    *reinterpret_cast<Pack<E, C>*>(vt + idx) = *reinterpret_cast<const Pack<E, C>*>(xv + idx);
 }
 
 // The backward of the split (training): one block per token writes its row of the fused gradient
 // [dq rotated back | dk rotated back | dv], the rotation by the negated angles as in rope_backward, in one
-// pass instead of rope_backward's zero-fill, rotation and copy per tensor and a merge after them.
-template <typename E>
+// pass instead of rope_backward's zero-fill, rotation and copy per tensor and a merge after them. C as in
+// the forward.
+template <typename E, int C>
 __global__ void qkv_merge_rope_backward_kernel(E* dqkv, const E* dq, const E* dk, const E* dv,
-                                               const int32_t* pos, int64_t H, int64_t KV, int64_t D,
-                                               double log_theta) {
+                                               const int32_t* pos, int H, int KV, int D, double log_theta) {
   extern __shared__ float cs_sn[];
-  const int64_t t = blockIdx.x, half = D / 2;
+  const int64_t t = blockIdx.x;
+  const int half = D / 2, per_head = half / C;
   rope_angles(cs_sn, pos[t], D, log_theta, -1.0f);
   E* o = dqkv + t * (H + 2 * KV) * D;
-  for (int64_t idx = threadIdx.x; idx < (H + KV) * half; idx += blockDim.x) {
-    const int64_t h = idx / half, i = idx - h * half;
-    const int64_t j = h * D + i;
-    const E* x = h < H ? dq + t * H * D + j : dk + t * KV * D + (j - H * D);
-    const float x1 = to_f(x[0]), x2 = to_f(x[half]);
-    const float c = cs_sn[i], s = cs_sn[half + i];
-    o[j] = from_f<E>(x1 * c - x2 * s);
-    o[j + half] = from_f<E>(x2 * c + x1 * s);
+  const E* dqt = dq + t * H * D;
+  const E* dkt = dk + t * KV * D;
+  for (int idx = threadIdx.x; idx < (H + KV) * per_head; idx += blockDim.x) {
+    const int h = idx / per_head, i = (idx - h * per_head) * C;
+    const int j = h * D + i;
+    const E* x = h < H ? dqt + j : dkt + (j - H * D);
+    float x1[C], x2[C], y1[C], y2[C];
+    load<C>(x1, x, 0);
+    load<C>(x2, x, half);
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const float cs = cs_sn[i + c], sn = cs_sn[half + i + c];
+      y1[c] = x1[c] * cs - x2[c] * sn;
+      y2[c] = x2[c] * cs + x1[c] * sn;
+    }
+    store<C>(o, j, y1);
+    store<C>(o, j + half, y2);
   }
-  for (int64_t idx = threadIdx.x; idx < KV * D; idx += blockDim.x)
-    o[(H + KV) * D + idx] = dv[t * KV * D + idx];
+  E* ov = o + (H + KV) * D;
+  const E* dvt = dv + t * KV * D;
+  for (int idx = threadIdx.x * C; idx < KV * D; idx += blockDim.x * C)
+    *reinterpret_cast<Pack<E, C>*>(ov + idx) = *reinterpret_cast<const Pack<E, C>*>(dvt + idx);
 }
 
 // Threads of a one-block-per-token launch over `pairs` rotated pairs: whole warps, 32 to 256.
@@ -128,15 +157,31 @@ void rope_backward(E* dinp, const E* dout, const int32_t* pos, int64_t T, int64_
   rope<E, true>(dinp, dout, pos, T, H, D, theta, -1.0f, stream);
 }
 
+// The pack width of the split kernels: a 16-byte pack of pairs where the head's half holds whole packs and
+// every pointer is 16-byte aligned (then every row and head offset is a whole number of packs), else 1.
+template <typename E>
+int split_pack(int64_t D, std::initializer_list<const void*> ps) {
+  return (D / 2) % kVec<E> == 0 && detail::all_aligned16(ps) ? kVec<E> : 1;
+}
+
 template <typename E>
 void qkv_split_rope(E* q, E* k, E* v, const E* qkv, const int32_t* pos, int64_t T, int64_t H, int64_t KV,
                     int64_t D, float theta, cudaStream_t stream, const int32_t* kv_rows) {
   if (T <= 0) return;
   NDT_CUDA_REQUIRE(D % 2 == 0, "qkv_split_rope: the head dim must be even");
-  const int block = token_block((H + KV) * D / 2);
+  NDT_CUDA_REQUIRE((H + 2 * KV) * D < (int64_t{1} << 31),
+                   "qkv_split_rope: a token's row exceeds 2^31 elements");
+  const int C = split_pack<E>(D, {q, k, v, qkv});
+  const int block = token_block((H + KV) * D / 2 / C);
   const size_t smem = sizeof(float) * static_cast<size_t>(D);
-  qkv_split_rope_kernel<E><<<static_cast<unsigned>(T), block, smem, stream>>>(
-      q, k, v, qkv, pos, kv_rows, H, KV, D, log(static_cast<double>(theta)));
+  const double lt = log(static_cast<double>(theta));
+  const int h = static_cast<int>(H), kv = static_cast<int>(KV), d = static_cast<int>(D);
+  if (C > 1)
+    qkv_split_rope_kernel<E, kVec<E>>
+        <<<static_cast<unsigned>(T), block, smem, stream>>>(q, k, v, qkv, pos, kv_rows, h, kv, d, lt);
+  else
+    qkv_split_rope_kernel<E, 1>
+        <<<static_cast<unsigned>(T), block, smem, stream>>>(q, k, v, qkv, pos, kv_rows, h, kv, d, lt);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
@@ -145,10 +190,19 @@ void qkv_merge_rope_backward(E* dqkv, const E* dq, const E* dk, const E* dv, con
                              int64_t H, int64_t KV, int64_t D, float theta, cudaStream_t stream) {
   if (T <= 0) return;
   NDT_CUDA_REQUIRE(D % 2 == 0, "qkv_merge_rope_backward: the head dim must be even");
-  const int block = token_block((H + KV) * D / 2);
+  NDT_CUDA_REQUIRE((H + 2 * KV) * D < (int64_t{1} << 31),
+                   "qkv_merge_rope_backward: a token's row exceeds 2^31 elements");
+  const int C = split_pack<E>(D, {dqkv, dq, dk, dv});
+  const int block = token_block((H + KV) * D / 2 / C);
   const size_t smem = sizeof(float) * static_cast<size_t>(D);
-  qkv_merge_rope_backward_kernel<E><<<static_cast<unsigned>(T), block, smem, stream>>>(
-      dqkv, dq, dk, dv, pos, H, KV, D, log(static_cast<double>(theta)));
+  const double lt = log(static_cast<double>(theta));
+  const int h = static_cast<int>(H), kv = static_cast<int>(KV), d = static_cast<int>(D);
+  if (C > 1)
+    qkv_merge_rope_backward_kernel<E, kVec<E>>
+        <<<static_cast<unsigned>(T), block, smem, stream>>>(dqkv, dq, dk, dv, pos, h, kv, d, lt);
+  else
+    qkv_merge_rope_backward_kernel<E, 1>
+        <<<static_cast<unsigned>(T), block, smem, stream>>>(dqkv, dq, dk, dv, pos, h, kv, d, lt);
   NDT_CUDA_CHECK_LAUNCH();
 }
 

@@ -392,44 +392,49 @@ TYPED_TEST(CudaOps, Rope) {
 TYPED_TEST(CudaOps, QkvSplitRopeAndFusedSwiglu) {
   NDT_REQUIRE_GPU();
   using E = TypeParam;
-  const int64_t H = 4, KV = 2, D = 64, F = 96, W = (H + 2 * KV) * D;
-  const Vec qkv = rounded<E>(randv(T * W, 70));
-  const auto pos = randi(T, 71, 0, 5000);
-  DevI dpos(pos);
-  Dev<E> dqkv(qkv), q(T * H * D), k(T * KV * D), v(T * KV * D);
-  ndt::cuda::qkv_split_rope<E>(q.p, k.p, v.p, dqkv.p, dpos.p, T, H, KV, D, 10000.f);
-  Vec rq(T * H * D), rk(T * KV * D), rv(T * KV * D);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < W; ++j) {
-      const float x = qkv[t * W + j];
-      if (j < H * D)
-        rq[t * H * D + j] = x;
-      else if (j < (H + KV) * D)
-        rk[t * KV * D + j - H * D] = x;
-      else
-        rv[t * KV * D + j - (H + KV) * D] = x;
-    }
-  ndt::cpu::rope_forward(rq.data(), rq.data(), pos.data(), T, H, D, 10000.f);
-  ndt::cpu::rope_forward(rk.data(), rk.data(), pos.data(), T, KV, D, 10000.f);
-  expect_close<E>("qkv_split_rope q", q.get(), rq);
-  expect_close<E>("qkv_split_rope k", k.get(), rk);
-  expect_close<E>("qkv_split_rope v", v.get(), rv);
-  // Stored by row into a KV cache of 3T rows (row 3t + 1 for token t; the other rows keep their values).
-  std::vector<int32_t> rows(T);
-  for (int64_t t = 0; t < T; ++t) rows[t] = static_cast<int32_t>(3 * t + 1);
-  const Vec cache0 = rounded<E>(randv(3 * T * KV * D, 73));
-  Dev<E> kc(cache0), vc(cache0), q2(T * H * D);
-  DevI drows(rows);
-  ndt::cuda::qkv_split_rope<E>(q2.p, kc.p, vc.p, dqkv.p, dpos.p, T, H, KV, D, 10000.f, 0, drows.p);
-  Vec rkc = cache0, rvc = cache0;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < KV * D; ++j) {
-      rkc[(3 * t + 1) * KV * D + j] = rk[t * KV * D + j];
-      rvc[(3 * t + 1) * KV * D + j] = rv[t * KV * D + j];
-    }
-  expect_close<E>("qkv_split_rope q (k/v stored by row)", q2.get(), rq);
-  expect_close<E>("qkv_split_rope k stored by row", kc.get(), rkc);
-  expect_close<E>("qkv_split_rope v stored by row", vc.get(), rvc);
+  const int64_t H = 4, KV = 2, F = 96;
+  // D = 64: 16-byte packs of pairs; D = 36 (half 18): one pair per thread.
+  for (const int64_t D : {int64_t{64}, int64_t{36}}) {
+    SCOPED_TRACE("D = " + std::to_string(D));
+    const int64_t W = (H + 2 * KV) * D;
+    const Vec qkv = rounded<E>(randv(T * W, 70));
+    const auto pos = randi(T, 71, 0, 5000);
+    DevI dpos(pos);
+    Dev<E> dqkv(qkv), q(T * H * D), k(T * KV * D), v(T * KV * D);
+    ndt::cuda::qkv_split_rope<E>(q.p, k.p, v.p, dqkv.p, dpos.p, T, H, KV, D, 10000.f);
+    Vec rq(T * H * D), rk(T * KV * D), rv(T * KV * D);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < W; ++j) {
+        const float x = qkv[t * W + j];
+        if (j < H * D)
+          rq[t * H * D + j] = x;
+        else if (j < (H + KV) * D)
+          rk[t * KV * D + j - H * D] = x;
+        else
+          rv[t * KV * D + j - (H + KV) * D] = x;
+      }
+    ndt::cpu::rope_forward(rq.data(), rq.data(), pos.data(), T, H, D, 10000.f);
+    ndt::cpu::rope_forward(rk.data(), rk.data(), pos.data(), T, KV, D, 10000.f);
+    expect_close<E>("qkv_split_rope q", q.get(), rq);
+    expect_close<E>("qkv_split_rope k", k.get(), rk);
+    expect_close<E>("qkv_split_rope v", v.get(), rv);
+    // Stored by row into a KV cache of 3T rows (row 3t + 1 for token t; the other rows keep their values).
+    std::vector<int32_t> rows(T);
+    for (int64_t t = 0; t < T; ++t) rows[t] = static_cast<int32_t>(3 * t + 1);
+    const Vec cache0 = rounded<E>(randv(3 * T * KV * D, 73));
+    Dev<E> kc(cache0), vc(cache0), q2(T * H * D);
+    DevI drows(rows);
+    ndt::cuda::qkv_split_rope<E>(q2.p, kc.p, vc.p, dqkv.p, dpos.p, T, H, KV, D, 10000.f, 0, drows.p);
+    Vec rkc = cache0, rvc = cache0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < KV * D; ++j) {
+        rkc[(3 * t + 1) * KV * D + j] = rk[t * KV * D + j];
+        rvc[(3 * t + 1) * KV * D + j] = rv[t * KV * D + j];
+      }
+    expect_close<E>("qkv_split_rope q (k/v stored by row)", q2.get(), rq);
+    expect_close<E>("qkv_split_rope k stored by row", kc.get(), rkc);
+    expect_close<E>("qkv_split_rope v stored by row", vc.get(), rvc);
+  }
   const Vec h13 = rounded<E>(randv(T * 2 * F, 72));
   Dev<E> dh(h13), out(T * F);
   ndt::cuda::swiglu_forward_fused<E>(out.p, dh.p, T, F);
@@ -444,23 +449,27 @@ TYPED_TEST(CudaOps, QkvSplitRopeAndFusedSwiglu) {
 TYPED_TEST(CudaOps, QkvMergeRopeBackward) {
   NDT_REQUIRE_GPU();
   using E = TypeParam;
-  const int64_t H = 4, KV = 2, D = 64, W = (H + 2 * KV) * D;
-  const Vec dq = rounded<E>(randv(T * H * D, 74)), dk = rounded<E>(randv(T * KV * D, 75)),
-            dv = rounded<E>(randv(T * KV * D, 76));
-  const auto pos = randi(T, 77, 0, 5000);
-  DevI dpos(pos);
-  Dev<E> ddq(dq), ddk(dk), ddv(dv), dqkv(T * W);
-  ndt::cuda::qkv_merge_rope_backward<E>(dqkv.p, ddq.p, ddk.p, ddv.p, dpos.p, T, H, KV, D, 10000.f);
-  Vec rq(T * H * D, 0.0f), rk(T * KV * D, 0.0f), ref(T * W);
-  ndt::cpu::rope_backward(rq.data(), dq.data(), pos.data(), T, H, D, 10000.f);
-  ndt::cpu::rope_backward(rk.data(), dk.data(), pos.data(), T, KV, D, 10000.f);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < W; ++j)
-      ref[t * W + j] = j < H * D          ? rq[t * H * D + j]
-                       : j < (H + KV) * D ? rk[t * KV * D + j - H * D]
-                                          : dv[t * KV * D + j - (H + KV) * D];
-  expect_close<E>("qkv_merge_rope_backward", dqkv.get(), ref);
-  EXPECT_EQ(ddq.get(), dq);  // the inputs are left as they were
+  const int64_t H = 4, KV = 2;
+  for (const int64_t D : {int64_t{64}, int64_t{36}}) {  // 16-byte packs; one pair per thread
+    SCOPED_TRACE("D = " + std::to_string(D));
+    const int64_t W = (H + 2 * KV) * D;
+    const Vec dq = rounded<E>(randv(T * H * D, 74)), dk = rounded<E>(randv(T * KV * D, 75)),
+              dv = rounded<E>(randv(T * KV * D, 76));
+    const auto pos = randi(T, 77, 0, 5000);
+    DevI dpos(pos);
+    Dev<E> ddq(dq), ddk(dk), ddv(dv), dqkv(T * W);
+    ndt::cuda::qkv_merge_rope_backward<E>(dqkv.p, ddq.p, ddk.p, ddv.p, dpos.p, T, H, KV, D, 10000.f);
+    Vec rq(T * H * D, 0.0f), rk(T * KV * D, 0.0f), ref(T * W);
+    ndt::cpu::rope_backward(rq.data(), dq.data(), pos.data(), T, H, D, 10000.f);
+    ndt::cpu::rope_backward(rk.data(), dk.data(), pos.data(), T, KV, D, 10000.f);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < W; ++j)
+        ref[t * W + j] = j < H * D          ? rq[t * H * D + j]
+                         : j < (H + KV) * D ? rk[t * KV * D + j - H * D]
+                                            : dv[t * KV * D + j - (H + KV) * D];
+    expect_close<E>("qkv_merge_rope_backward", dqkv.get(), ref);
+    EXPECT_EQ(ddq.get(), dq);  // the inputs are left as they were
+  }
 }
 
 // The fused q/k/v backward's operand: [dq | dk | dv] row by row, an exact copy (compared bit for bit with
