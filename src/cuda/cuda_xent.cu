@@ -84,6 +84,39 @@ __device__ __forceinline__ void online_add(float x, float& m, float& s) {
     s += expf(x - m);
   }
 }
+// online_add over a 16-byte pack: the pack's max first, so the running sum is rescaled at most once per pack
+// and every element costs one exponential, with no per-element branch (divergent in a warp) on the max.
+template <int N>
+__device__ __forceinline__ void online_add_pack(const float (&x)[N], float& m, float& s) {
+  float pm = x[0];
+#pragma unroll
+  for (int k = 1; k < N; ++k) pm = fmaxf(pm, x[k]);
+  if (pm > m) {
+    s *= expf(m - pm);  // expf(-inf) = 0 before the first element
+    m = pm;
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) s += expf(x[k] - m);
+}
+
+// row_foreach's split and per-thread order, calling fs(x, j) for the scalar head and tail and fp(x[kV], j0)
+// for each 16-byte pack.
+template <typename E, typename FS, typename FP>
+__device__ __forceinline__ void row_foreach_pack(const E* p, int64_t n, FS&& fs, FP&& fp) {
+  constexpr int kV = detail::kVec<E>;
+  int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(p) & 15u)) & 15u) / sizeof(E));
+  if (head > n) head = n;
+  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) fs(to_f(p[j]), j);
+  const int64_t nv = (n - head) / kV;
+  for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
+    float x[kV];
+    const int64_t j0 = head + v * kV;
+    load<kV>(x, p, j0);
+    fp(x, j0);
+  }
+  for (int64_t j = head + nv * kV + threadIdx.x; j < n; j += blockDim.x) fs(to_f(p[j]), j);
+}
+
 __device__ float2 row_normalizer(float m, float s, float* sm) {
   const float M = block_max(m, sm);
   s = (m == -INFINITY) ? 0.f : s * expf(m - M);
@@ -94,7 +127,10 @@ template <typename E>
 __global__ void rowmax_sumexp_kernel(float* rowmax, float* sumexp, const E* logits, int64_t V) {
   __shared__ float sm[32];
   float m = -INFINITY, s = 0.f;
-  row_foreach(logits + blockIdx.x * V, V, [&](float x, int64_t) { online_add(x, m, s); });
+  constexpr int kV = detail::kVec<E>;
+  row_foreach_pack(
+      logits + blockIdx.x * V, V, [&](float x, int64_t) { online_add(x, m, s); },
+      [&](const float(&x)[kV], int64_t) { online_add_pack(x, m, s); });
   const float2 ms = row_normalizer(m, s, sm);
   if (threadIdx.x == 0) {
     rowmax[blockIdx.x] = ms.x;
@@ -169,53 +205,90 @@ __global__ void xent_backward_kernel(E* dlogits, const E* logits, const float* r
 }
 
 // Loss and gradient of one rank's whole vocabulary in one kernel (no vocab shards to reduce between): pass 1
-// is rowmax_sumexp_kernel's online reduction (the same per-thread order, so the same values) and also
-// picks up the target logit; pass 2 is xent_backward_kernel<E, true>'s write_row_grad, reading the row
-// again (mostly from L2: the row was just read). Staging the row in shared memory instead (two blocks per
-// SM) measured 0.1 ms slower per GPT-2 step.
+// is rowmax_sumexp_kernel's online reduction (the same per-thread order and packs, so the same values) and
+// also picks up the target logit; pass 2 writes xent_backward_kernel<E, true>'s gradient, reading the row
+// again (mostly from L2: the row was just read). Both passes keep four 16-byte accesses in flight per thread
+// and find the target once per pack. Staging the row in shared memory instead (two blocks per SM) measured
+// 0.1 ms slower per GPT-2 step.
 template <typename E>
 __global__ void xent_loss_backward_kernel(E* logits, float* logprob, const int32_t* targets,
                                           const float* dloss, int64_t V) {
-  constexpr int kV = detail::kVec<E>;
+  constexpr int kV = detail::kVec<E>, kU = 4;
   using P = detail::Pack<E, kV>;
   __shared__ float sm[32];
   const int64_t t = blockIdx.x;
   E* l = logits + t * V;
   const int64_t tj = targets[t];
-  float m = -INFINITY, acc = 0.f, tl = 0.f;
-  auto visit = [&](float x, int64_t j) {
-    if (j == tj) tl = x;
-    online_add(x, m, acc);
-  };
-  // row_foreach's split and per-thread order, with four 16-byte loads in flight per thread.
   int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(l) & 15u)) & 15u) / sizeof(E));
   if (head > V) head = V;
   const int64_t nv = (V - head) / kV, step = blockDim.x;
-  for (int64_t j = threadIdx.x; j < head; j += step) visit(to_f(l[j]), j);
-  constexpr int kU = 4;
+  // The target's place in pack v (0..kV-1), or -1 when it is elsewhere.
+  const auto target_in = [&](int64_t v) {
+    const int64_t r = tj - head - v * kV;
+    return r >= 0 && r < kV ? static_cast<int>(r) : -1;
+  };
+  float m = -INFINITY, acc = 0.f, tl = 0.f;
+  for (int64_t j = threadIdx.x; j < head; j += step) {
+    const float x = to_f(l[j]);
+    if (j == tj) tl = x;
+    online_add(x, m, acc);
+  }
+  const auto visit_pack = [&](const P& pk, int64_t v) {
+    float x[kV];
+    const int rk = target_in(v);
+#pragma unroll
+    for (int k = 0; k < kV; ++k) {
+      x[k] = to_f(pk.v[k]);
+      if (k == rk) tl = x[k];
+    }
+    online_add_pack(x, m, acc);
+  };
   int64_t v = threadIdx.x;
   for (; v + (kU - 1) * step < nv; v += kU * step) {
     P pk[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) pk[u] = *reinterpret_cast<const P*>(l + head + (v + u * step) * kV);
 #pragma unroll
-    for (int u = 0; u < kU; ++u)
-#pragma unroll
-      for (int k = 0; k < kV; ++k) visit(to_f(pk[u].v[k]), head + (v + u * step) * kV + k);
+    for (int u = 0; u < kU; ++u) visit_pack(pk[u], v + u * step);
   }
-  for (; v < nv; v += step) {
-    const int64_t j0 = head + v * kV;
-    const P pk = *reinterpret_cast<const P*>(l + j0);
-#pragma unroll
-    for (int k = 0; k < kV; ++k) visit(to_f(pk.v[k]), j0 + k);
+  for (; v < nv; v += step) visit_pack(*reinterpret_cast<const P*>(l + head + v * kV), v);
+  for (int64_t j = head + nv * kV + threadIdx.x; j < V; j += step) {
+    const float x = to_f(l[j]);
+    if (j == tj) tl = x;
+    online_add(x, m, acc);
   }
-  for (int64_t j = head + nv * kV + threadIdx.x; j < V; j += step) visit(to_f(l[j]), j);
   const float2 ms = row_normalizer(m, acc, sm);
   const float target = block_sum(tl, sm);  // one thread holds it, the others 0: exact
   if (threadIdx.x == 0) logprob[t] = target - ms.x - logf(ms.y);
   // (block_sum ends with a barrier: every read of the row above is done before it is overwritten)
-  const float dl = dloss[t];
-  write_row_grad<E, true>(l, l, ms.x, dl == 0.0f ? 0.0f : dl / ms.y, dl, tj, V);
+  // Pass 2: dl * (softmax - onehot(tj)) = scale * exp(x - max) - [j == tj] * dl, 0 where dl is 0.
+  const float dl = dloss[t], M = ms.x, scale = dl == 0.0f ? 0.0f : dl / ms.y;
+  const auto grad = [&](float x, bool is_target) {
+    if (dl == 0.0f) return 0.0f;  // block-uniform
+    const float g = scale * expf(x - M);
+    return is_target ? g - dl : g;
+  };
+  for (int64_t j = threadIdx.x; j < head; j += step) l[j] = from_f<E>(grad(to_f(l[j]), j == tj));
+  const auto write_pack = [&](P& pk, int64_t v) {
+    const int rk = target_in(v);
+#pragma unroll
+    for (int k = 0; k < kV; ++k) pk.v[k] = from_f<E>(grad(to_f(pk.v[k]), k == rk));
+    *reinterpret_cast<P*>(l + head + v * kV) = pk;
+  };
+  v = threadIdx.x;
+  for (; v + (kU - 1) * step < nv; v += kU * step) {
+    P pk[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) pk[u] = *reinterpret_cast<const P*>(l + head + (v + u * step) * kV);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) write_pack(pk[u], v + u * step);
+  }
+  for (; v < nv; v += step) {
+    P pk = *reinterpret_cast<const P*>(l + head + v * kV);
+    write_pack(pk, v);
+  }
+  for (int64_t j = head + nv * kV + threadIdx.x; j < V; j += step)
+    l[j] = from_f<E>(grad(to_f(l[j]), j == tj));
 }
 
 template <typename E>
