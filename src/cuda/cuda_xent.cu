@@ -15,22 +15,32 @@ using detail::load;
 using detail::to_f;
 constexpr int kBlock = 512;
 
-// Calls f(value, j) for every j in [0, n) of row p, split over the block's threads.
-template <typename E, typename F>
-__device__ __forceinline__ void row_foreach(const E* p, int64_t n, F&& f) {
+// Calls fs(x, j) for the scalar head (up to 16-byte alignment) and tail of row p[0, n) and fp(x[kV], j0)
+// for each 16-byte pack between, split over the block's threads: thread i takes packs i, i + blockDim.x, ...
+template <typename E, typename FS, typename FP>
+__device__ __forceinline__ void row_foreach_pack(const E* p, int64_t n, FS&& fs, FP&& fp) {
   constexpr int kV = detail::kVec<E>;
   int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(p) & 15u)) & 15u) / sizeof(E));
   if (head > n) head = n;
-  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) f(to_f(p[j]), j);
+  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) fs(to_f(p[j]), j);
   const int64_t nv = (n - head) / kV;
   for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
     float x[kV];
     const int64_t j0 = head + v * kV;
     load<kV>(x, p, j0);
+    fp(x, j0);
+  }
+  for (int64_t j = head + nv * kV + threadIdx.x; j < n; j += blockDim.x) fs(to_f(p[j]), j);
+}
+
+// Calls f(value, j) for every j in [0, n) of row p, in row_foreach_pack's split and order.
+template <typename E, typename F>
+__device__ __forceinline__ void row_foreach(const E* p, int64_t n, F&& f) {
+  constexpr int kV = detail::kVec<E>;
+  row_foreach_pack(p, n, f, [&](const float(&x)[kV], int64_t j0) {
 #pragma unroll
     for (int k = 0; k < kV; ++k) f(x[k], j0 + k);
-  }
-  for (int64_t j = head + nv * kV + threadIdx.x; j < n; j += blockDim.x) f(to_f(p[j]), j);
+  });
 }
 
 // Block-wide reductions (result valid in every thread). `sm` holds 32 floats.
@@ -97,24 +107,6 @@ __device__ __forceinline__ void online_add_pack(const float (&x)[N], float& m, f
   }
 #pragma unroll
   for (int k = 0; k < N; ++k) s += expf(x[k] - m);
-}
-
-// row_foreach's split and per-thread order, calling fs(x, j) for the scalar head and tail and fp(x[kV], j0)
-// for each 16-byte pack.
-template <typename E, typename FS, typename FP>
-__device__ __forceinline__ void row_foreach_pack(const E* p, int64_t n, FS&& fs, FP&& fp) {
-  constexpr int kV = detail::kVec<E>;
-  int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(p) & 15u)) & 15u) / sizeof(E));
-  if (head > n) head = n;
-  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) fs(to_f(p[j]), j);
-  const int64_t nv = (n - head) / kV;
-  for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
-    float x[kV];
-    const int64_t j0 = head + v * kV;
-    load<kV>(x, p, j0);
-    fp(x, j0);
-  }
-  for (int64_t j = head + nv * kV + threadIdx.x; j < n; j += blockDim.x) fs(to_f(p[j]), j);
 }
 
 __device__ float2 row_normalizer(float m, float s, float* sm) {
