@@ -7,8 +7,8 @@
 # Usage: bench/dp_scaling.sh NDTRAIN OUTDIR        (STEPS=30 WARMUP=10 GPUS="1 2 4" by default)
 # EMBEDDING_GRAD="auto all_reduce" runs each multi-GPU row with each parallel.dp_embedding_grad (default: auto).
 # GRAD_WINDOW="true false" likewise with each parallel.dp_grad_window (default: true).
-# DP_REDUCTION="nccl copy_engine" likewise with each parallel.dp_reduction (default: nccl; ZeRO-1 rows
-# always reduce with NCCL, so they run once).
+# DP_REDUCTION="nccl copy_engine" likewise with each parallel.dp_reduction (default: nccl; with ZeRO-1 the
+# copy engines reduce to the owners).
 # MODEL=llama measures the 1B Llama instead (configs/llama-1b.yaml, no TP/PP, 8 x 2048 tokens per GPU in
 # microbatches of 4; STEPS=12 WARMUP=4 by default).
 # KERNEL_TRACE=20:22 also records those steps' kernels (`ndtrain train --kernel-trace`): per run,
@@ -54,7 +54,6 @@ for zero1 in false true; do
    for red in $reds; do
     [[ $zero1 == true && $n == 1 ]] && continue
     [[ $n == 1 && ( $emb != "${embs%% *}" || $win != "${wins%% *}" || $red != "${reds%% *}" ) ]] && continue  # (one GPU: nothing to reduce)
-    [[ $zero1 == true && $red != "${reds%% *}" ]] && continue  # (ZeRO-1: NCCL whatever the setting)
     dir=$out/dp${n}_zero1_${zero1}_emb_${emb}_win_${win}_red_$red
     [[ $embs == auto && $wins == true && $reds == nccl ]] && dir=$out/dp${n}_zero1_$zero1
     trace=()
