@@ -232,21 +232,29 @@ void CopyEngineReduction::pull_and_sum(float* buf, int64_t offset, int64_t lo, i
   NDT_CUDA_CHECK(cudaStreamWaitEvent(stream_, pushed_, 0));
 }
 
+std::unique_ptr<CommHandle> CopyEngineReduction::reduce_range(float* buf, int64_t count, int64_t lo,
+                                                              int64_t hi, bool push) {
+  const int64_t offset = buf - grads_;
+  const int64_t slot = slot_of(offset, count);
+  const cudaStream_t compute = cuda::stream();
+  NDT_CUDA_CHECK(cudaEventRecord(ready_, compute));
+  NDT_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
+  signal_and_wait(kReady, slot);  // every rank's range is final
+  pull_and_sum(buf, offset, lo, hi, push);
+  // Pushed: every part pushed everywhere (after its owner's pulls from there). Not pushed: every owner done
+  // pulling from this rank's range (which the next step zeroes), ours from theirs.
+  signal_and_wait(kReduced, slot);
+  return std::make_unique<StreamHandle>(compute, stream_, "an asynchronous copy-engine reduction", n_);
+}
+
 std::unique_ptr<CommHandle> CopyEngineReduction::all_reduce_async(float* buf, int64_t count) {
   const int64_t offset = buf - grads_;
   NDT_CHECK(count > 0 && offset >= 0 && offset + count <= numel_,
             "copy-engine reduction: [{}, {}) is not inside the registered gradients ({} elements)", offset,
             offset + count, numel_);
-  const int64_t slot = slot_of(offset, count);
-  const cudaStream_t compute = cuda::stream();
-  NDT_CUDA_CHECK(cudaEventRecord(ready_, compute));
-  NDT_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
   const int64_t part = (count + n_ - 1) / n_;
   const int64_t lo = std::min<int64_t>(rank_ * part, count), hi = std::min<int64_t>(lo + part, count);
-  signal_and_wait(kReady, slot);  // every rank's range is final
-  pull_and_sum(buf, offset, lo, hi, /*push=*/true);
-  signal_and_wait(kReduced, slot);  // every part pushed everywhere (after its owner's pulls from there)
-  return std::make_unique<StreamHandle>(compute, stream_, "an asynchronous copy-engine reduction", n_);
+  return reduce_range(buf, count, lo, hi, /*push=*/true);
 }
 
 std::unique_ptr<CommHandle> CopyEngineReduction::reduce_to_owner_async(float* buf, int64_t count,
@@ -256,17 +264,8 @@ std::unique_ptr<CommHandle> CopyEngineReduction::reduce_to_owner_async(float* bu
             "copy-engine reduction to owners: [{}, {}) (own part [{}, {})) is not inside the registered "
             "gradients ({} elements)",
             offset, offset + count, own_begin, own_end, numel_);
-  const int64_t slot = slot_of(offset, count);
-  const cudaStream_t compute = cuda::stream();
-  NDT_CUDA_CHECK(cudaEventRecord(ready_, compute));
-  NDT_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
   const int64_t lo = std::clamp(own_begin - offset, int64_t{0}, count);
-  const int64_t hi = std::clamp(own_end - offset, lo, count);
-  signal_and_wait(kReady, slot);  // every rank's range is final
-  pull_and_sum(buf, offset, lo, hi, /*push=*/false);
-  // Every owner done pulling from this rank's range (which the next step zeroes), ours from theirs.
-  signal_and_wait(kReduced, slot);
-  return std::make_unique<StreamHandle>(compute, stream_, "an asynchronous copy-engine reduction", n_);
+  return reduce_range(buf, count, lo, std::clamp(own_end - offset, lo, count), /*push=*/false);
 }
 
 }  // namespace ndt

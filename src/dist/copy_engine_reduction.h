@@ -66,6 +66,10 @@ class CopyEngineReduction {
   // Pulls [lo, hi) of every peer's buffer in pieces, adds them in rank order into buf + lo (`offset`: buf's
   // place in grads); with push, sends each piece's sum back into every peer.
   void pull_and_sum(float* buf, int64_t offset, int64_t lo, int64_t hi, bool push);
+  // One range's reduction on the reduction's streams, after the compute stream's work so far: every rank
+  // flags the range final, this rank pulls and sums [lo, hi) of it (pushing the sums with push), and every
+  // rank flags that it is done with the others' memory. Returns the compute stream's handle.
+  std::unique_ptr<CommHandle> reduce_range(float* buf, int64_t count, int64_t lo, int64_t hi, bool push);
   // Flag of (kind, slot) that rank `from` sets in the memory of the rank waiting for it.
   int64_t flag_index(Kind kind, int64_t slot, int from) const { return (kind * kSlots + slot) * n_ + from; }
   // Sets this rank's flag (kind, slot) in every peer's memory, then waits until every peer has set theirs
