@@ -157,31 +157,40 @@ void rope_backward(E* dinp, const E* dout, const int32_t* pos, int64_t T, int64_
   rope<E, true>(dinp, dout, pos, T, H, D, theta, -1.0f, stream);
 }
 
-// The pack width of the split kernels: a 16-byte pack of pairs where the head's half holds whole packs and
-// every pointer is 16-byte aligned (then every row and head offset is a whole number of packs), else 1.
+// Launch shape of the split kernels: C pairs per thread (a 16-byte pack where the head's half holds whole
+// packs and every pointer is 16-byte aligned, so every row and head offset is a whole number of packs; else
+// 1), the block, the angles' shared memory, and the sizes as the kernels' 32-bit ints.
+struct SplitLaunch {
+  int C, block;
+  size_t smem;
+  double log_theta;
+  int H, KV, D;
+};
+
 template <typename E>
-int split_pack(int64_t D, std::initializer_list<const void*> ps) {
-  return (D / 2) % kVec<E> == 0 && detail::all_aligned16(ps) ? kVec<E> : 1;
+SplitLaunch split_launch(const char* what, int64_t H, int64_t KV, int64_t D, float theta,
+                         std::initializer_list<const void*> ptrs) {
+  NDT_CUDA_REQUIRE(D % 2 == 0, std::string(what) + ": the head dim must be even");
+  NDT_CUDA_REQUIRE((H + 2 * KV) * D < (int64_t{1} << 31),
+                   std::string(what) + ": a token's row exceeds 2^31 elements");
+  const int C = (D / 2) % kVec<E> == 0 && detail::all_aligned16(ptrs) ? kVec<E> : 1;
+  return {C,
+          token_block((H + KV) * D / 2 / C),
+          sizeof(float) * static_cast<size_t>(D),
+          log(static_cast<double>(theta)),
+          static_cast<int>(H),
+          static_cast<int>(KV),
+          static_cast<int>(D)};
 }
 
 template <typename E>
 void qkv_split_rope(E* q, E* k, E* v, const E* qkv, const int32_t* pos, int64_t T, int64_t H, int64_t KV,
                     int64_t D, float theta, cudaStream_t stream, const int32_t* kv_rows) {
   if (T <= 0) return;
-  NDT_CUDA_REQUIRE(D % 2 == 0, "qkv_split_rope: the head dim must be even");
-  NDT_CUDA_REQUIRE((H + 2 * KV) * D < (int64_t{1} << 31),
-                   "qkv_split_rope: a token's row exceeds 2^31 elements");
-  const int C = split_pack<E>(D, {q, k, v, qkv});
-  const int block = token_block((H + KV) * D / 2 / C);
-  const size_t smem = sizeof(float) * static_cast<size_t>(D);
-  const double lt = log(static_cast<double>(theta));
-  const int h = static_cast<int>(H), kv = static_cast<int>(KV), d = static_cast<int>(D);
-  if (C > 1)
-    qkv_split_rope_kernel<E, kVec<E>>
-        <<<static_cast<unsigned>(T), block, smem, stream>>>(q, k, v, qkv, pos, kv_rows, h, kv, d, lt);
-  else
-    qkv_split_rope_kernel<E, 1>
-        <<<static_cast<unsigned>(T), block, smem, stream>>>(q, k, v, qkv, pos, kv_rows, h, kv, d, lt);
+  const SplitLaunch l = split_launch<E>("qkv_split_rope", H, KV, D, theta, {q, k, v, qkv});
+  const auto kernel = l.C > 1 ? qkv_split_rope_kernel<E, kVec<E>> : qkv_split_rope_kernel<E, 1>;
+  kernel<<<static_cast<unsigned>(T), l.block, l.smem, stream>>>(q, k, v, qkv, pos, kv_rows, l.H, l.KV, l.D,
+                                                                l.log_theta);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
@@ -189,20 +198,11 @@ template <typename E>
 void qkv_merge_rope_backward(E* dqkv, const E* dq, const E* dk, const E* dv, const int32_t* pos, int64_t T,
                              int64_t H, int64_t KV, int64_t D, float theta, cudaStream_t stream) {
   if (T <= 0) return;
-  NDT_CUDA_REQUIRE(D % 2 == 0, "qkv_merge_rope_backward: the head dim must be even");
-  NDT_CUDA_REQUIRE((H + 2 * KV) * D < (int64_t{1} << 31),
-                   "qkv_merge_rope_backward: a token's row exceeds 2^31 elements");
-  const int C = split_pack<E>(D, {dqkv, dq, dk, dv});
-  const int block = token_block((H + KV) * D / 2 / C);
-  const size_t smem = sizeof(float) * static_cast<size_t>(D);
-  const double lt = log(static_cast<double>(theta));
-  const int h = static_cast<int>(H), kv = static_cast<int>(KV), d = static_cast<int>(D);
-  if (C > 1)
-    qkv_merge_rope_backward_kernel<E, kVec<E>>
-        <<<static_cast<unsigned>(T), block, smem, stream>>>(dqkv, dq, dk, dv, pos, h, kv, d, lt);
-  else
-    qkv_merge_rope_backward_kernel<E, 1>
-        <<<static_cast<unsigned>(T), block, smem, stream>>>(dqkv, dq, dk, dv, pos, h, kv, d, lt);
+  const SplitLaunch l = split_launch<E>("qkv_merge_rope_backward", H, KV, D, theta, {dqkv, dq, dk, dv});
+  const auto kernel =
+      l.C > 1 ? qkv_merge_rope_backward_kernel<E, kVec<E>> : qkv_merge_rope_backward_kernel<E, 1>;
+  kernel<<<static_cast<unsigned>(T), l.block, l.smem, stream>>>(dqkv, dq, dk, dv, pos, l.H, l.KV, l.D,
+                                                                l.log_theta);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
