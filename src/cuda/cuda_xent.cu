@@ -2,6 +2,7 @@
 // with 16-byte accesses after a short scalar head that reaches alignment (V need not be a multiple of 8).
 // exp/log are expf/logf as on CPU; sums in fp32 per thread and then a fixed-order block tree.
 #include <cmath>
+#include <type_traits>
 
 #include "cuda/cuda_kernel_utils.cuh"
 #include "cuda/cuda_ops.h"
@@ -15,22 +16,53 @@ using detail::load;
 using detail::to_f;
 constexpr int kBlock = 512;
 
-// Calls fs(x, j) for the scalar head (up to 16-byte alignment) and tail of row p[0, n) and fp(x[kV], j0)
-// for each 16-byte pack between, split over the block's threads: thread i takes packs i, i + blockDim.x, ...
+// Elements of row p before its first 16-byte boundary (at most n): the scalar head of the rows' split.
+template <typename E>
+__device__ __forceinline__ int64_t row_head(const E* p, int64_t n) {
+  const int64_t head =
+      static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(p) & 15u)) & 15u) / sizeof(E));
+  return head < n ? head : n;
+}
+
+// The rows' split over the block's threads: fs(j) for each j of the scalar head and tail of row p[0, n) and
+// fp(pk, j0) for each 16-byte pack p[j0, j0 + kV) between (pk a copy; fp may change and store it), thread i
+// taking packs i, i + blockDim.x, ..., in this order: head, packs, tail. KU packs are loaded before they are
+// visited, so that KU 16-byte loads are in flight per thread. E may be const.
+template <int KU, typename E, typename FS, typename FP>
+__device__ __forceinline__ void row_visit(E* p, int64_t n, FS&& fs, FP&& fp) {
+  using T = std::remove_const_t<E>;
+  constexpr int kV = detail::kVec<T>;
+  using P = detail::Pack<T, kV>;
+  const int64_t head = row_head(p, n), nv = (n - head) / kV, step = blockDim.x;
+  for (int64_t j = threadIdx.x; j < head; j += step) fs(j);
+  int64_t v = threadIdx.x;
+  for (; v + (KU - 1) * step < nv; v += KU * step) {
+    P pk[KU];
+#pragma unroll
+    for (int u = 0; u < KU; ++u) pk[u] = *reinterpret_cast<const P*>(p + head + (v + u * step) * kV);
+#pragma unroll
+    for (int u = 0; u < KU; ++u) fp(pk[u], head + (v + u * step) * kV);
+  }
+  for (; v < nv; v += step) {
+    P pk = *reinterpret_cast<const P*>(p + head + v * kV);
+    fp(pk, head + v * kV);
+  }
+  for (int64_t j = head + nv * kV + threadIdx.x; j < n; j += step) fs(j);
+}
+
+// Calls fs(x, j) for the scalar head and tail of row p[0, n) and fp(x[kV], j0) for each 16-byte pack
+// between, in row_visit's split and order, one load in flight.
 template <typename E, typename FS, typename FP>
 __device__ __forceinline__ void row_foreach_pack(const E* p, int64_t n, FS&& fs, FP&& fp) {
   constexpr int kV = detail::kVec<E>;
-  int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(p) & 15u)) & 15u) / sizeof(E));
-  if (head > n) head = n;
-  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) fs(to_f(p[j]), j);
-  const int64_t nv = (n - head) / kV;
-  for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
-    float x[kV];
-    const int64_t j0 = head + v * kV;
-    load<kV>(x, p, j0);
-    fp(x, j0);
-  }
-  for (int64_t j = head + nv * kV + threadIdx.x; j < n; j += blockDim.x) fs(to_f(p[j]), j);
+  row_visit<1>(
+      p, n, [&](int64_t j) { fs(to_f(p[j]), j); },
+      [&](detail::Pack<E, kV>& pk, int64_t j0) {
+        float x[kV];
+#pragma unroll
+        for (int k = 0; k < kV; ++k) x[k] = to_f(pk.v[k]);
+        fp(x, j0);
+      });
 }
 
 // Calls f(value, j) for every j in [0, n) of row p, in row_foreach_pack's split and order.
@@ -168,8 +200,7 @@ __device__ void write_row_grad(E* d, const E* l, float m, float scale, float dl,
     const float g = grad(to_f(l[j]), j);
     d[j] = from_f<E>(INPLACE ? g : to_f(d[j]) + g);
   };
-  int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(l) & 15u)) & 15u) / sizeof(E));
-  if (head > V) head = V;
+  const int64_t head = row_head(l, V);
   for (int64_t j = threadIdx.x; j < head; j += blockDim.x) scalar(j);
   const int64_t nv = (V - head) / kV;
   for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
@@ -211,44 +242,29 @@ __global__ void xent_loss_backward_kernel(E* logits, float* logprob, const int32
   const int64_t t = blockIdx.x;
   E* l = logits + t * V;
   const int64_t tj = targets[t];
-  int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(l) & 15u)) & 15u) / sizeof(E));
-  if (head > V) head = V;
-  const int64_t nv = (V - head) / kV, step = blockDim.x;
-  // The target's place in pack v (0..kV-1), or -1 when it is elsewhere.
-  const auto target_in = [&](int64_t v) {
-    const int64_t r = tj - head - v * kV;
+  // The target's place in the pack at j0 (0..kV-1), or -1 when it is elsewhere.
+  const auto target_in = [&](int64_t j0) {
+    const int64_t r = tj - j0;
     return r >= 0 && r < kV ? static_cast<int>(r) : -1;
   };
   float m = -INFINITY, acc = 0.f, tl = 0.f;
-  for (int64_t j = threadIdx.x; j < head; j += step) {
-    const float x = to_f(l[j]);
-    if (j == tj) tl = x;
-    online_add(x, m, acc);
-  }
-  const auto visit_pack = [&](const P& pk, int64_t v) {
-    float x[kV];
-    const int rk = target_in(v);
+  row_visit<kU>(
+      static_cast<const E*>(l), V,
+      [&](int64_t j) {
+        const float x = to_f(l[j]);
+        if (j == tj) tl = x;
+        online_add(x, m, acc);
+      },
+      [&](const P& pk, int64_t j0) {
+        float x[kV];
+        const int rk = target_in(j0);
 #pragma unroll
-    for (int k = 0; k < kV; ++k) {
-      x[k] = to_f(pk.v[k]);
-      if (k == rk) tl = x[k];
-    }
-    online_add_pack(x, m, acc);
-  };
-  int64_t v = threadIdx.x;
-  for (; v + (kU - 1) * step < nv; v += kU * step) {
-    P pk[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) pk[u] = *reinterpret_cast<const P*>(l + head + (v + u * step) * kV);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) visit_pack(pk[u], v + u * step);
-  }
-  for (; v < nv; v += step) visit_pack(*reinterpret_cast<const P*>(l + head + v * kV), v);
-  for (int64_t j = head + nv * kV + threadIdx.x; j < V; j += step) {
-    const float x = to_f(l[j]);
-    if (j == tj) tl = x;
-    online_add(x, m, acc);
-  }
+        for (int k = 0; k < kV; ++k) {
+          x[k] = to_f(pk.v[k]);
+          if (k == rk) tl = x[k];
+        }
+        online_add_pack(x, m, acc);
+      });
   const float2 ms = row_normalizer(m, acc, sm);
   const float target = block_sum(tl, sm);  // one thread holds it, the others 0: exact
   if (threadIdx.x == 0) logprob[t] = target - ms.x - logf(ms.y);
@@ -260,27 +276,14 @@ __global__ void xent_loss_backward_kernel(E* logits, float* logprob, const int32
     const float g = scale * expf(x - M);
     return is_target ? g - dl : g;
   };
-  for (int64_t j = threadIdx.x; j < head; j += step) l[j] = from_f<E>(grad(to_f(l[j]), j == tj));
-  const auto write_pack = [&](P& pk, int64_t v) {
-    const int rk = target_in(v);
+  row_visit<kU>(
+      l, V, [&](int64_t j) { l[j] = from_f<E>(grad(to_f(l[j]), j == tj)); },
+      [&](P& pk, int64_t j0) {
+        const int rk = target_in(j0);
 #pragma unroll
-    for (int k = 0; k < kV; ++k) pk.v[k] = from_f<E>(grad(to_f(pk.v[k]), k == rk));
-    *reinterpret_cast<P*>(l + head + v * kV) = pk;
-  };
-  v = threadIdx.x;
-  for (; v + (kU - 1) * step < nv; v += kU * step) {
-    P pk[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) pk[u] = *reinterpret_cast<const P*>(l + head + (v + u * step) * kV);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) write_pack(pk[u], v + u * step);
-  }
-  for (; v < nv; v += step) {
-    P pk = *reinterpret_cast<const P*>(l + head + v * kV);
-    write_pack(pk, v);
-  }
-  for (int64_t j = head + nv * kV + threadIdx.x; j < V; j += step)
-    l[j] = from_f<E>(grad(to_f(l[j]), j == tj));
+        for (int k = 0; k < kV; ++k) pk.v[k] = from_f<E>(grad(to_f(pk.v[k]), k == rk));
+        *reinterpret_cast<P*>(l + j0) = pk;
+      });
 }
 
 template <typename E>
