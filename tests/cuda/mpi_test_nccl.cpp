@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -137,6 +138,50 @@ class Nccl : public ::testing::Test {
     nc = g_env->nccl.get();
   }
   uint64_t seed(uint64_t test) const { return test * 1000 + static_cast<uint64_t>(rank); }
+
+  // The copy-engine reductions' checks. Fills `flat` (fp32 on the device) with fresh random values (seed
+  // `test`) and returns what a reduction over [lo, hi) must leave there: the host's left-to-right sum of
+  // every rank's values in rank order inside, this rank's own values outside.
+  std::vector<float> fill_and_rank_order_sums(Tensor& flat, uint64_t test, int64_t lo, int64_t hi) {
+    const int64_t total = flat.numel();
+    std::vector<float> x = random_vec<float>(total, seed(test));
+    NDT_CUDA_CHECK(cudaMemcpy(flat.data_ptr(), x.data(), total * sizeof(float), cudaMemcpyHostToDevice));
+    std::vector<float> all(static_cast<size_t>(total) * size), ref = x;
+    mpi->all_gather(x.data(), all.data(), total, DType::F32);
+    for (int64_t i = lo; i < hi; ++i) {
+      float acc = all[i];
+      for (int q = 1; q < size; ++q) acc += all[q * total + i];
+      ref[i] = acc;
+    }
+    return ref;
+  }
+  // Runs `enqueue` (work on cuda::stream() that ends with the stream waiting for it) twice eagerly, then
+  // twice replayed from one graph captured from it, each time on fresh values (seeds test, test + 1, then
+  // test + 10, test + 11), and compares `flat` bit for bit with the rank-order sums over [lo, hi).
+  void expect_rank_order_sums_eager_and_replayed(Tensor& flat, int64_t lo, int64_t hi, uint64_t test,
+                                                 const std::function<void()>& enqueue,
+                                                 const std::string& what) {
+    for (uint64_t step = 0; step < 2; ++step) {
+      const std::vector<float> ref = fill_and_rank_order_sums(flat, test + step, lo, hi);
+      enqueue();
+      NDT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+      expect_match(flat.to(Device::CPU).to_vector<float>(), ref, 0, what + ", eager");
+    }
+    cudaGraph_t graph = nullptr;
+    NDT_CUDA_CHECK(cudaStreamBeginCapture(cuda::stream(), cudaStreamCaptureModeRelaxed));
+    enqueue();
+    NDT_CUDA_CHECK(cudaStreamEndCapture(cuda::stream(), &graph));
+    cudaGraphExec_t exec = nullptr;
+    NDT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (uint64_t step = 0; step < 2; ++step) {
+      const std::vector<float> ref = fill_and_rank_order_sums(flat, test + 10 + step, lo, hi);
+      NDT_CUDA_CHECK(cudaGraphLaunch(exec, cuda::stream()));
+      NDT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+      expect_match(flat.to(Device::CPU).to_vector<float>(), ref, 0, what + ", replayed");
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
 
   // all_reduce of random data in dtype T: NCCL (device) vs MPI (host). bf16 is compared with MPI's f32
   // reduction of the same values (MPI cannot reduce bf16).
@@ -550,44 +595,14 @@ TEST_F(Nccl, CopyEngineReductionSumsInRankOrder) {
   const std::vector<std::pair<int64_t, int64_t>> ranges = {
       {0, 1000},          {1000, 1003}, {1003, 1024}, {1024, big + 1024}, {big + 1024, big + 1031},
       {big + 1031, total}};
-  auto run = [&](uint64_t test) {
-    std::vector<float> x = random_vec<float>(total, seed(test));
-    NDT_CUDA_CHECK(cudaMemcpy(flat.data_ptr(), x.data(), total * sizeof(float), cudaMemcpyHostToDevice));
-    std::vector<float> all(static_cast<size_t>(total) * size), ref(static_cast<size_t>(total));
-    mpi->all_gather(x.data(), all.data(), total, DType::F32);
-    for (int64_t i = 0; i < total; ++i) {
-      float acc = all[i];
-      for (int q = 1; q < size; ++q) acc += all[q * total + i];
-      ref[i] = acc;
-    }
-    return ref;
-  };
-  for (uint64_t step = 0; step < 2; ++step) {
-    std::vector<float> ref = run(170 + step);
-    std::vector<std::unique_ptr<CommHandle>> hs;
-    for (auto [b, e] : ranges) hs.push_back(ce->all_reduce_async(flat.f32() + b, e - b));
-    for (auto& h : hs) h->wait();
-    NDT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
-    expect_match(flat.to(Device::CPU).to_vector<float>(), ref, 0, "copy-engine all-reduce, eager");
-  }
-  cudaGraph_t graph = nullptr;
-  NDT_CUDA_CHECK(cudaStreamBeginCapture(cuda::stream(), cudaStreamCaptureModeRelaxed));
-  {
-    std::vector<std::unique_ptr<CommHandle>> hs;
-    for (auto [b, e] : ranges) hs.push_back(ce->all_reduce_async(flat.f32() + b, e - b));
-    for (auto& h : hs) h->wait();
-  }
-  NDT_CUDA_CHECK(cudaStreamEndCapture(cuda::stream(), &graph));
-  cudaGraphExec_t exec = nullptr;
-  NDT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (uint64_t step = 0; step < 2; ++step) {
-    std::vector<float> ref = run(180 + step);
-    NDT_CUDA_CHECK(cudaGraphLaunch(exec, cuda::stream()));
-    NDT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
-    expect_match(flat.to(Device::CPU).to_vector<float>(), ref, 0, "copy-engine all-reduce, replayed");
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  expect_rank_order_sums_eager_and_replayed(
+      flat, 0, total, 170,
+      [&] {
+        std::vector<std::unique_ptr<CommHandle>> hs;
+        for (auto [b, e] : ranges) hs.push_back(ce->all_reduce_async(flat.f32() + b, e - b));
+        for (auto& h : hs) h->wait();
+      },
+      "copy-engine all-reduce");
   ce.reset();  // before the memory goes
 }
 
@@ -604,43 +619,15 @@ TEST_F(Nccl, CopyEngineReduceToOwnersSumsInRankOrder) {
   std::vector<std::pair<int64_t, int64_t>> ranges = {{0, 1000}, {1000, 1003}, {1003, part + 17}};
   for (int64_t b = part + 17; b < total; b += part / 3 + 5)
     ranges.emplace_back(b, std::min(total, b + part / 3 + 5));
-  auto run = [&](uint64_t test) {
-    std::vector<float> x = random_vec<float>(total, seed(test));
-    NDT_CUDA_CHECK(cudaMemcpy(flat.data_ptr(), x.data(), total * sizeof(float), cudaMemcpyHostToDevice));
-    std::vector<float> all(static_cast<size_t>(total) * size), ref = x;
-    mpi->all_gather(x.data(), all.data(), total, DType::F32);
-    for (int64_t i = own_b; i < own_e; ++i) {
-      float acc = all[i];
-      for (int q = 1; q < size; ++q) acc += all[q * total + i];
-      ref[i] = acc;
-    }
-    return ref;
-  };
-  auto enqueue = [&] {
-    std::vector<std::unique_ptr<CommHandle>> hs;
-    for (auto [b, e] : ranges) hs.push_back(ce->reduce_to_owner_async(flat.f32() + b, e - b, own_b, own_e));
-    for (auto& h : hs) h->wait();
-  };
-  for (uint64_t step = 0; step < 2; ++step) {
-    std::vector<float> ref = run(190 + step);
-    enqueue();
-    NDT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
-    expect_match(flat.to(Device::CPU).to_vector<float>(), ref, 0, "copy-engine reduce to owners, eager");
-  }
-  cudaGraph_t graph = nullptr;
-  NDT_CUDA_CHECK(cudaStreamBeginCapture(cuda::stream(), cudaStreamCaptureModeRelaxed));
-  enqueue();
-  NDT_CUDA_CHECK(cudaStreamEndCapture(cuda::stream(), &graph));
-  cudaGraphExec_t exec = nullptr;
-  NDT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (uint64_t step = 0; step < 2; ++step) {
-    std::vector<float> ref = run(200 + step);
-    NDT_CUDA_CHECK(cudaGraphLaunch(exec, cuda::stream()));
-    NDT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
-    expect_match(flat.to(Device::CPU).to_vector<float>(), ref, 0, "copy-engine reduce to owners, replayed");
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  expect_rank_order_sums_eager_and_replayed(
+      flat, own_b, own_e, 190,
+      [&] {
+        std::vector<std::unique_ptr<CommHandle>> hs;
+        for (auto [b, e] : ranges)
+          hs.push_back(ce->reduce_to_owner_async(flat.f32() + b, e - b, own_b, own_e));
+        for (auto& h : hs) h->wait();
+      },
+      "copy-engine reduce to owners");
   ce.reset();  // before the memory goes
 }
 
