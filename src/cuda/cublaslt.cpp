@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -204,6 +205,19 @@ void fallback_gemm(DeviceState& s, DType ab, DType c, const ColMajor& p, float a
   ++g_fallbacks;
 }
 
+// C = c_in + C (C holding the product), where cuBLASLt cannot read c_in itself.
+void add_c_in(DType c, void* C, const void* c_in, int64_t M, int64_t N, int64_t ldc, float beta,
+              cudaStream_t stream) {
+  NDT_CHECK(ldc == N && beta == 1.0f, "gemm: c_in off cuBLASLt needs ldc == N (got {}, N = {}) and beta = 1",
+            ldc, N);
+  if (c == DType::bf16)
+    residual_forward<__nv_bfloat16>(static_cast<__nv_bfloat16*>(C), static_cast<const __nv_bfloat16*>(c_in),
+                                    static_cast<const __nv_bfloat16*>(C), M * N, stream);
+  else
+    residual_forward<float>(static_cast<float*>(C), static_cast<const float*>(c_in),
+                            static_cast<const float*>(C), M * N, stream);
+}
+
 PlanKey plan_key(int dev, DType ab, DType c, const ColMajor& p, Epi epi, int aa, int ab_, int ac,
                  int aaux = 0, int64_t ldaux = 0) {
   return PlanKey{dev,
@@ -249,7 +263,7 @@ Plan* find_plan(const PlanKey& key, const ColMajor& p, Run&& run, Make&& make) {
 
 void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
           const void* A, int64_t lda, const void* B, int64_t ldb, float beta, void* C, int64_t ldc,
-          const void* bias, cudaStream_t stream) {
+          const void* bias, cudaStream_t stream, const void* c_in) {
   if (M <= 0 || N <= 0) return;
   NDT_CHECK(K > 0, "gemm: K = {} (callers handle empty inner dims)", K);
   NDT_CHECK(!(ab == DType::f32 && c == DType::bf16),
@@ -258,6 +272,12 @@ void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, i
   const ColMajor p{trans_b, trans_a, N, M, K, ldb, lda, ldc, B, A};
   // A bias epilogue needs an aligned bias vector; otherwise pre-fill C with the bias and accumulate.
   const bool epilogue_bias = bias && (reinterpret_cast<uintptr_t>(bias) % 16) == 0;
+  if (c_in == C || beta == 0.0f) c_in = nullptr;
+  if (c_in && bias && !epilogue_bias) {  // the product with the bias pre-filled, then c_in by its own kernel
+    gemm(ab, c, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, 0.0f, C, ldc, bias, stream);
+    add_c_in(c, C, c_in, M, N, ldc, beta, stream);
+    return;
+  }
   if (bias && !epilogue_bias) {
     detail::broadcast_rows(C, bias, c == DType::bf16, M, N, stream);
     beta = 1.0f;
@@ -265,14 +285,16 @@ void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, i
   std::lock_guard<std::mutex> lock(g_mutex);
   const int dev = current_device();
   DeviceState& s = device_state(dev);
-  const int aa = alignment(p.A), ab_ = alignment(p.B), ac = alignment(C);
+  const int aa = alignment(p.A), ab_ = alignment(p.B),
+            ac = c_in ? std::min(alignment(C), alignment(c_in)) : alignment(C);
   const Epi epi = epilogue_bias ? Epi::bias : Epi::none;
   const PlanKey key = plan_key(dev, ab, c, p, epi, aa, ab_, ac);
+  const void* C_read = c_in ? c_in : C;
   const auto run = [&](Plan& pl) {
     if (epilogue_bias)
       NDT_CUBLAS_CHECK(
           cublasLtMatmulDescSetAttribute(pl.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-    return cublasLtMatmul(s.lt, pl.desc, &alpha, p.A, pl.a, p.B, pl.b, &beta, C, pl.c, C, pl.c, &pl.algo,
+    return cublasLtMatmul(s.lt, pl.desc, &alpha, p.A, pl.a, p.B, pl.b, &beta, C_read, pl.c, C, pl.c, &pl.algo,
                           workspace(s, stream), kWorkspaceBytes, stream);
   };
   Plan* plan = find_plan(key, p, run, [&] { return make_plan(s.lt, ab, c, p, epi, aa, ab_, ac); });
@@ -280,9 +302,12 @@ void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, i
   if (!plan->ok) {
     if (epilogue_bias) {
       detail::broadcast_rows(C, bias, c == DType::bf16, M, N, stream);
-      beta = 1.0f;
+      fallback_gemm(s, ab, c, p, alpha, 1.0f, C, stream);
+    } else {
+      fallback_gemm(s, ab, c, p, alpha, c_in ? 0.0f : beta, C, stream);
     }
-    fallback_gemm(s, ab, c, p, alpha, beta, C, stream);
+    // cublasGemmEx reads and writes one C: c_in is added after the product.
+    if (c_in) add_c_in(c, C, c_in, M, N, ldc, beta, stream);
     return;
   }
   NDT_CUBLAS_CHECK(run(*plan));
@@ -353,20 +378,22 @@ constexpr DType dtype_of() {
 
 template <typename E>
 void linear_forward(E* out, const E* inp, const E* weight, const E* bias, int64_t T, int64_t IC, int64_t OC,
-                    cudaStream_t stream, bool accumulate) {
+                    cudaStream_t stream, bool accumulate, const E* residual) {
   if (T <= 0 || OC <= 0) return;
   NDT_CHECK(!accumulate || IC > 0, "linear_forward: accumulating an empty product");
+  NDT_CHECK(!(accumulate && residual), "linear_forward: accumulate and a residual are exclusive");
   constexpr DType dt = dtype_of<E>();
   if (IC == 0) {  // out = bias (or 0), as on CPU
     if (bias)
       detail::broadcast_rows(out, bias, dt == DType::bf16, T, OC, stream);
     else
       NDT_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(E) * T * OC, stream));
+    if (residual) residual_forward<E>(out, residual, out, T * OC, stream);
     return;
   }
-  // out(T, OC) = inp(T, IC) @ weight(OC, IC)^T + bias
-  gemm(dt, dt, false, true, T, OC, IC, 1.0f, inp, IC, weight, IC, accumulate ? 1.0f : 0.0f, out, OC, bias,
-       stream);
+  // out(T, OC) = [residual +] inp(T, IC) @ weight(OC, IC)^T + bias
+  gemm(dt, dt, false, true, T, OC, IC, 1.0f, inp, IC, weight, IC, accumulate || residual ? 1.0f : 0.0f, out,
+       OC, bias, stream, residual);
 }
 
 template <typename E>
@@ -406,7 +433,7 @@ bool linear_dgelu_backward(__nv_bfloat16* dpre, const __nv_bfloat16* dout, const
 
 #define NDT_INSTANTIATE(E)                                                                                   \
   template void linear_forward<E>(E*, const E*, const E*, const E*, int64_t, int64_t, int64_t, cudaStream_t, \
-                                  bool);                                                                     \
+                                  bool, const E*);                                                           \
   template void linear_backward<E>(E*, float*, float*, const E*, const E*, const E*, int64_t, int64_t,       \
                                    int64_t, cudaStream_t, bool);
 NDT_INSTANTIATE(float)

@@ -52,10 +52,11 @@ void add_position_embedding_backward(float* dpos_table, const E* dout, const int
 // ---- linear through cuBLASLt (implemented in cublaslt.cpp) ----
 // out(T, OC) = inp(T, IC) @ weight(OC, IC)^T + bias(OC); bias (may be null) fused as an epilogue.
 // fp32: exact fp32 math (no TF32). bf16: bf16 inputs, fp32 accumulation, bf16 output. accumulate: out is
-// added to the product (beta = 1) before the one rounding to E.
+// added to the product (beta = 1) before the one rounding to E. residual (T, OC; not out): out = residual +
+// the product + bias, likewise rounded once (the residual read in the matmul's epilogue).
 template <typename E>
 void linear_forward(E* out, const E* inp, const E* weight, const E* bias, int64_t T, int64_t IC, int64_t OC,
-                    cudaStream_t stream = 0, bool accumulate = false);
+                    cudaStream_t stream = 0, bool accumulate = false, const E* residual = nullptr);
 // dinp(T, IC) += dout @ weight (beta = 1, in E; accumulate_dinp = false: dinp = ..., beta = 0, dinp is not
 // read, so it may be uninitialized); dweight(OC, IC) += dout^T @ inp (E inputs, fp32 C/D);
 // dbias(OC) += column sums of dout (deterministic kernel).

@@ -313,10 +313,8 @@ Tensor Transformer::layer_forward(int64_t l, const Microbatch& mb, const Tensor&
   add_norm_forward(pre + "mlp_norm", x, o, bias(pre + "attn.wo.bias"), a.h, a.n2, a.n2_mean, a.n2_rstd);
   auto it = moe_.find(l);
   if (it == moe_.end()) {
-    // Cached (inference) forwards on one TP rank: the residual add inside the down projection's matmul
-    // (h is kept for no backward, so the product accumulates into it).
-    if (kv_ && tp_->size() == 1 && !bias(pre + "mlp.proj.bias"))
-      return mlp_forward(pre + "mlp.", ffn_local_, a, &a.h);
+    // One TP rank: the residual add (and the down projection's bias) inside that matmul.
+    if (tp_->size() == 1) return mlp_forward(pre + "mlp.", ffn_local_, a, &a.h);
     return ops::add(a.h, mlp_forward(pre + "mlp.", ffn_local_, a), bias(pre + "mlp.proj.bias"));
   }
   // MoE: routed experts on this rank's residual rows (experts are not split over TP), plus shared experts
@@ -357,9 +355,13 @@ Tensor Transformer::mlp_forward(const std::string& prefix, int64_t fl, LayerActs
     }
   });
   const Tensor& w2 = p(prefix + (gpt2 ? "proj.weight" : "w2.weight")).compute_value();
-  if (residual) {  // one TP rank: the product accumulates into the residual stream
-    ops::linear_forward(*residual, a.act, w2, nullptr, /*accumulate=*/true);
-    return *residual;
+  if (residual) {  // one TP rank: residual + the product (+ bias) from the matmul's epilogue
+    const Tensor* b2 = bias(prefix + "proj.bias");
+    if (kv_ && !b2) {  // cached forwards keep h for no backward: the product accumulates into it
+      ops::linear_forward(*residual, a.act, w2, nullptr, /*accumulate=*/true);
+      return *residual;
+    }
+    return ops::linear_residual_forward(a.act, w2, b2, *residual);
   }
   Tensor m_partial = act({T, C});
   return tp_->reduce_overlapped(

@@ -135,7 +135,8 @@ class Transformer {
   Tensor layer_backward(int64_t l, const Microbatch& mb, const Tensor& dout, LayerActs& a);
   // The dense MLP (or an MoE layer's shared experts) under `prefix` with local width fl: the norm output
   // a.n2 -> the TP-reduced block output without its output bias; backward returns the norm-output grad.
-  // residual: the down projection accumulates into *residual (one TP rank), which is returned.
+  // residual (one TP rank): returns residual + that output + the down projection's bias, summed in the
+  // down projection's matmul (in cached forwards without that bias, into *residual itself).
   Tensor mlp_forward(const std::string& prefix, int64_t fl, LayerActs& a, Tensor* residual = nullptr);
   Tensor mlp_backward(const std::string& prefix, int64_t fl, const Tensor& dout, LayerActs& a);
   void mlp_params(const std::string& prefix, int64_t width);

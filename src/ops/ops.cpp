@@ -152,6 +152,30 @@ void linear_forward(Tensor& out, const Tensor& inp, const Tensor& weight, const 
   for (int64_t i = 0; i < out.numel(); ++i) out.f32()[i] += prod.f32()[i];
 }
 
+Tensor linear_residual_forward(const Tensor& inp, const Tensor& weight, const Tensor* bias,
+                               const Tensor& residual) {
+  const int64_t OC = weight.size(0), IC = weight.size(1), T = rows(inp);
+  NDT_CHECK(inp.size(-1) == IC, "linear_residual_forward: input has {} features, weight expects {}",
+            inp.size(-1), IC);
+  NDT_CHECK(residual.numel() == T * OC, "linear_residual_forward: residual has {} elements, expected {}",
+            residual.numel(), T * OC);
+#ifdef NDT_HAVE_CUDA
+  if (on_cuda(inp)) {
+    Tensor out = Tensor::empty(residual.shape(), residual.dtype(), residual.device());
+    by_dtype(inp, [&](auto tag_) {
+      using E = typename decltype(tag_)::type;
+      cuda::linear_forward<E>(dp<E>(out, "linear out"), dp<E>(inp, "linear inp"),
+                              dp<E>(weight, "linear weight"), dp_opt<E>(bias, "linear bias"), T, IC, OC, st(),
+                              /*accumulate=*/false, dp<E>(residual, "linear residual"));
+    });
+    return out;
+  }
+#endif
+  Tensor prod = Tensor::empty(residual.shape());
+  linear_forward(prod, inp, weight, nullptr);
+  return add(residual, prod, bias);
+}
+
 void linear_backward(Tensor* dinp, Tensor& dweight, Tensor* dbias, const Tensor& dout, const Tensor& inp,
                      const Tensor& weight, bool accumulate_dinp) {
   int64_t OC = weight.size(0), IC = weight.size(1), T = rows(inp);

@@ -29,6 +29,11 @@ void add_position_embedding_backward(Tensor& dtable, const Tensor& dx, const Ten
 // GPU in the matmul's fp32 accumulator, rounded once: a residual add without its own pass).
 void linear_forward(Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor* bias,
                     bool accumulate = false);
+// residual + (inp @ weight^T + bias) as a new tensor (like residual): add(residual, linear(inp, weight),
+// bias). On the GPU the matmul reads the residual in its epilogue and rounds the sum once (no add pass, no
+// rounding of the product alone); on the CPU it is those two ops, bit for bit.
+Tensor linear_residual_forward(const Tensor& inp, const Tensor& weight, const Tensor* bias,
+                               const Tensor& residual);
 // dinp (+)= dout @ weight; dweight += dout^T @ inp (skipped when dweight is undefined: the input gradient
 // alone, e.g. per row block); dbias += column sums of dout.
 void linear_backward(Tensor* dinp, Tensor& dweight, Tensor* dbias, const Tensor& dout, const Tensor& inp,

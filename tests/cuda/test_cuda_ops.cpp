@@ -582,6 +582,16 @@ void check_linear(const char* label, int64_t t, int64_t ic, int64_t oc, bool off
   for (int64_t i = 0; i < t * oc; ++i) ref[i] += res[i];
   std::snprintf(name, sizeof(name), "linear_fwd accumulate %s", label);
   expect_close<E>(name, acc.get(), ref);
+  // residual: out = residual + product + bias, the residual read by the matmul (out poisoned: not read);
+  // the unaligned bias and cublasGemmEx's cases add it by a kernel of their own.
+  Dev<E> resid(res);
+  out.poison();
+  ndt::cuda::linear_forward<E>(out.p, dx.p, dw.p, bias, t, ic, oc, 0, /*accumulate=*/false, resid.p);
+  ndt::cpu::linear_forward(ref.data(), x.data(), w.data(), b.data(), t, ic, oc);
+  for (int64_t i = 0; i < t * oc; ++i) ref[i] += res[i];
+  std::snprintf(name, sizeof(name), "linear_fwd residual %s", label);
+  expect_close<E>(name, out.get(), ref);
+  EXPECT_EQ(resid.get(), res) << "linear_fwd residual: the residual input was written, " << label;
   Dev<E> dinp(pre);
   Dev<float> dweight(prew), dbias(preb);
   Vec rdi = pre, rdw = prew, rdb = preb;
