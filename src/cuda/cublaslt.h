@@ -28,8 +28,10 @@ enum class DType : int { f32 = 0, bf16 = 1 };
 // op(A) is (M, K): A is stored (M, K) with row stride lda, or (K, M) when trans_a. op(B) is (K, N): B is
 // stored (K, N) with row stride ldb, or (N, K) when trans_b. A and B have type ab; C and bias have type c
 // (supported: f32/f32, bf16/bf16, bf16/f32). Accumulation is fp32.
-// c_in (same type and layout as C, ldc == N): read in place of C, which is then only written,
-// C = alpha * op(A) @ op(B) + beta * c_in (+ bias), rounded once: a residual add in the epilogue.
+// c_in (same type and row stride as C): read in place of C, which is then only written,
+// C = alpha * op(A) @ op(B) + beta * c_in (+ bias), rounded once: a residual add in the epilogue. Where
+// cuBLASLt cannot run it (no algorithm, an unaligned bias) a kernel adds c_in after the product, which
+// needs ldc == N and beta = 1.
 void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
           const void* A, int64_t lda, const void* B, int64_t ldb, float beta, void* C, int64_t ldc,
           const void* bias, cudaStream_t stream = 0, const void* c_in = nullptr);
