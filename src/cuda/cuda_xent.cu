@@ -183,36 +183,35 @@ __global__ void logprob_kernel(float* lp, const float* tl, const float* rowmax, 
   if (t < T) lp[t] = tl[t] - rowmax[t] - logf(sumexp[t]);
 }
 
-// Writes one row's gradient dl * (softmax - onehot(tj)) = scale * exp(x - m) - [j == tj] * dl, scale =
-// dl / sumexp. INPLACE: d is overwritten (0 when dl is 0; d may alias l); else d += gradient. Same row
-// offset and (checked by the host) same base alignment: the head/vector/tail split of the logits row fits
-// the gradient row, so both are read and written with 16-byte accesses.
+// One element's gradient dl * (softmax - onehot(target)) = scale * exp(x - m) - [is_target] * dl, scale =
+// dl / sumexp; 0 where dl is 0 (uniform over a row's block).
+__device__ __forceinline__ float xent_grad(float x, float m, float scale, float dl, bool is_target) {
+  if (dl == 0.0f) return 0.0f;
+  const float g = scale * expf(x - m);
+  return is_target ? g - dl : g;
+}
+
+// Writes one row's gradient (xent_grad) in row_foreach_pack's split. INPLACE: d is overwritten (0 when dl is
+// 0; d may alias l); else d += gradient. Same row offset and (checked by the host) same base alignment: the
+// head/vector/tail split of the logits row fits the gradient row, so both are read and written with 16-byte
+// accesses.
 template <typename E, bool INPLACE>
 __device__ void write_row_grad(E* d, const E* l, float m, float scale, float dl, int64_t tj, int64_t V) {
   constexpr int kV = detail::kVec<E>;
-  auto grad = [&](float x, int64_t j) {
-    if (dl == 0.0f) return 0.0f;  // block-uniform
-    float g = scale * expf(x - m);
-    if (j == tj) g -= dl;
-    return g;
-  };
-  auto scalar = [&](int64_t j) {
-    const float g = grad(to_f(l[j]), j);
-    d[j] = from_f<E>(INPLACE ? g : to_f(d[j]) + g);
-  };
-  const int64_t head = row_head(l, V);
-  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) scalar(j);
-  const int64_t nv = (V - head) / kV;
-  for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
-    const int64_t j0 = head + v * kV;
-    float x[kV], o[kV];
-    load<kV>(x, l, j0);
-    if (!INPLACE) load<kV>(o, d, j0);
+  row_foreach_pack(
+      l, V,
+      [&](float x, int64_t j) {
+        const float g = xent_grad(x, m, scale, dl, j == tj);
+        d[j] = from_f<E>(INPLACE ? g : to_f(d[j]) + g);
+      },
+      [&](const float(&x)[kV], int64_t j0) {
+        float o[kV], y[kV];
+        if (!INPLACE) load<kV>(o, d, j0);
 #pragma unroll
-    for (int k = 0; k < kV; ++k) x[k] = grad(x[k], j0 + k) + (INPLACE ? 0.0f : o[k]);
-    detail::store<kV>(d, j0, x);
-  }
-  for (int64_t j = head + nv * kV + threadIdx.x; j < V; j += blockDim.x) scalar(j);
+        for (int k = 0; k < kV; ++k)
+          y[k] = xent_grad(x[k], m, scale, dl, j0 + k == tj) + (INPLACE ? 0.0f : o[k]);
+        detail::store<kV>(d, j0, y);
+      });
 }
 
 // INPLACE: dlogits aliases the logits and is overwritten (0 for rows with dloss 0); else dlogits +=.
@@ -269,19 +268,14 @@ __global__ void xent_loss_backward_kernel(E* logits, float* logprob, const int32
   const float target = block_sum(tl, sm);  // one thread holds it, the others 0: exact
   if (threadIdx.x == 0) logprob[t] = target - ms.x - logf(ms.y);
   // (block_sum ends with a barrier: every read of the row above is done before it is overwritten)
-  // Pass 2: dl * (softmax - onehot(tj)) = scale * exp(x - max) - [j == tj] * dl, 0 where dl is 0.
+  // Pass 2: the gradient (xent_grad) in place.
   const float dl = dloss[t], M = ms.x, scale = dl == 0.0f ? 0.0f : dl / ms.y;
-  const auto grad = [&](float x, bool is_target) {
-    if (dl == 0.0f) return 0.0f;  // block-uniform
-    const float g = scale * expf(x - M);
-    return is_target ? g - dl : g;
-  };
   row_visit<kU>(
-      l, V, [&](int64_t j) { l[j] = from_f<E>(grad(to_f(l[j]), j == tj)); },
+      l, V, [&](int64_t j) { l[j] = from_f<E>(xent_grad(to_f(l[j]), M, scale, dl, j == tj)); },
       [&](P& pk, int64_t j0) {
         const int rk = target_in(j0);
 #pragma unroll
-        for (int k = 0; k < kV; ++k) pk.v[k] = from_f<E>(grad(to_f(pk.v[k]), k == rk));
+        for (int k = 0; k < kV; ++k) pk.v[k] = from_f<E>(xent_grad(to_f(pk.v[k]), M, scale, dl, k == rk));
         *reinterpret_cast<P*>(l + j0) = pk;
       });
 }
@@ -297,11 +291,8 @@ __global__ void xent_backward_scalar_kernel(E* dlogits, const E* logits, const f
   const int64_t tj = static_cast<int64_t>(targets[t]) - start;
   const E* l = logits + t * V;
   E* d = dlogits + t * V;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    float g = scale * expf(to_f(l[j]) - m);
-    if (j == tj) g -= dl;
-    d[j] = from_f<E>(to_f(d[j]) + g);
-  }
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x)
+    d[j] = from_f<E>(to_f(d[j]) + xent_grad(to_f(l[j]), m, scale, dl, j == tj));
 }
 
 // losses[t] = mask[t] == 0 ? 0 : -(tl - max - log sumexp); *total = their sum (one block, fixed order).
