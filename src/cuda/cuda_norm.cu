@@ -98,9 +98,11 @@ __global__ void norm_forward_kernel(E* out, float* mean, float* rstd, const E* i
 
 // One VEC-column chunk of a row's input gradient: d = base + rs * (g * w - a - xhat * b) (base is the
 // residual gradient, or dinp itself to accumulate). Shared by the dinp kernel and the fused backward.
+// With sum set, sum[k] += the values as stored (rounded to E): the column sums of dinp itself.
 template <typename E, int VEC>
 __device__ __forceinline__ void write_dinp_chunk(E* d, const E* base, const E* x, const E* g, const E* weight,
-                                                 int64_t c, float m, float rs, float a, float b) {
+                                                 int64_t c, float m, float rs, float a, float b,
+                                                 float* sum = nullptr) {
   float xv[VEC], gv[VEC], wv[VEC], dv[VEC];
   load<VEC>(xv, x, c);
   load<VEC>(gv, g, c);
@@ -109,6 +111,10 @@ __device__ __forceinline__ void write_dinp_chunk(E* d, const E* base, const E* x
 #pragma unroll
   for (int k = 0; k < VEC; ++k) dv[k] += rs * (gv[k] * wv[k] - a - ((xv[k] - m) * rs) * b);
   store<VEC>(d, c, dv);
+  if (sum) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) sum[k] += to_f(detail::from_f<E>(dv[k]));
+  }
 }
 
 template <typename E, int VEC, bool RMS>
@@ -145,26 +151,27 @@ __global__ void norm_backward_dinp_kernel(E* dinp, const E* dout, const E* inp, 
 // bf16 rows of up to kFusedMaxChunks * 256 columns: dinp as norm_backward_dinp_kernel computes it, and in
 // the same pass over dout and inp the parameter gradients' column sums. Each warp accumulates its rows'
 // terms in registers (chunk j holds columns [j * 256, (j + 1) * 256), 8 per lane); the block then sums its
-// 8 warps in order through shared memory and writes one partial row per output, and colsum_finish_kernel
+// 8 warps in order through shared memory and writes one partial row per output, and colsum_finish
 // adds the blocks' partials in order: deterministic, like detail::colsum, without its second read of dout
 // and inp (which ran at ~1.5 TB/s: one scalar load per thread and column).
 constexpr int kFusedMaxChunks = 8;
 constexpr unsigned kFusedMaxBlocks = 512;  // fixed: the summation order must not depend on the device
 
-template <bool RMS, int CH>
+template <bool RMS, int CH, bool SUMD>
 __global__ void __launch_bounds__(32 * kWarps)
     norm_backward_fused_kernel(__nv_bfloat16* dinp, float* partial, const __nv_bfloat16* dout,
                                const __nv_bfloat16* inp, const __nv_bfloat16* weight, const float* mean,
                                const float* rstd, int64_t T, int64_t C, const __nv_bfloat16* dres) {
   using E = __nv_bfloat16;
   constexpr int VEC = 8, SPAN = 32 * VEC;
+  constexpr int NOUT = (RMS ? 1 : 2) + (SUMD ? 1 : 0);  // dweight, dbias, then dinp's own column sums
   static_assert(SPAN == 32 * kWarps, "one thread per column of a chunk in the block reduction");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float aw[CH][VEC], ab[CH][VEC];
+  float aw[CH][VEC], ab[CH][VEC], ad[SUMD ? CH : 1][VEC];
 #pragma unroll
   for (int j = 0; j < CH; ++j)
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) aw[j][k] = ab[j][k] = 0.f;
+    for (int k = 0; k < VEC; ++k) aw[j][k] = ab[j][k] = ad[SUMD ? j : 0][k] = 0.f;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < T;
        t += static_cast<int64_t>(gridDim.x) * kWarps) {
     const E* x = inp + t * C;
@@ -196,16 +203,17 @@ __global__ void __launch_bounds__(32 * kWarps)
     for (int j = 0; j < CH; ++j) {
       const int64_t c = lane * VEC + j * SPAN;
       if (c >= C) break;
-      write_dinp_chunk<E, VEC>(d, base, x, g, weight, c, m, rs, a, b);
+      write_dinp_chunk<E, VEC>(d, base, x, g, weight, c, m, rs, a, b, SUMD ? ad[SUMD ? j : 0] : nullptr);
     }
   }
   __shared__ float sm[kWarps][SPAN];
 #pragma unroll
-  for (int out = 0; out < (RMS ? 1 : 2); ++out) {
+  for (int out = 0; out < NOUT; ++out) {
 #pragma unroll
     for (int j = 0; j < CH; ++j) {
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) sm[warp][lane * VEC + k] = out == 0 ? aw[j][k] : ab[j][k];
+      for (int k = 0; k < VEC; ++k)
+        sm[warp][lane * VEC + k] = out == 0 ? aw[j][k] : (!RMS && out == 1) ? ab[j][k] : ad[SUMD ? j : 0][k];
       __syncthreads();
       const int64_t c = j * SPAN + threadIdx.x;
       if (c < C) {
@@ -219,29 +227,29 @@ __global__ void __launch_bounds__(32 * kWarps)
   }
 }
 
-template <bool RMS, int CH>
-void launch_norm_backward_fused(__nv_bfloat16* dinp, float* dweight, float* dbias, const __nv_bfloat16* dout,
-                                const __nv_bfloat16* inp, const __nv_bfloat16* weight, const float* mean,
-                                const float* rstd, int64_t T, int64_t C, cudaStream_t stream,
-                                const __nv_bfloat16* dres) {
+template <bool RMS, int CH, bool SUMD>
+void launch_norm_backward_fused(__nv_bfloat16* dinp, float* dweight, float* dbias, float* dsum,
+                                const __nv_bfloat16* dout, const __nv_bfloat16* inp,
+                                const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t T,
+                                int64_t C, cudaStream_t stream, const __nv_bfloat16* dres) {
+  constexpr int NOUT = (RMS ? 1 : 2) + (SUMD ? 1 : 0);
   const unsigned grid = static_cast<unsigned>(
       std::min<int64_t>((T + kWarps - 1) / kWarps, static_cast<int64_t>(kFusedMaxBlocks)));
-  Scratch partial(sizeof(float) * (RMS ? 1 : 2) * grid * C, stream);
-  norm_backward_fused_kernel<RMS, CH><<<grid, 32 * kWarps, 0, stream>>>(dinp, partial.as<float>(), dout, inp,
-                                                                        weight, mean, rstd, T, C, dres);
+  Scratch partial(sizeof(float) * NOUT * grid * C, stream);
+  norm_backward_fused_kernel<RMS, CH, SUMD><<<grid, 32 * kWarps, 0, stream>>>(
+      dinp, partial.as<float>(), dout, inp, weight, mean, rstd, T, C, dres);
   NDT_CUDA_CHECK_LAUNCH();
-  // The finish kernel skips a null output; an RMSNorm has no bias term.
-  detail::colsum_finish_kernel<RMS ? 1 : 2><<<static_cast<unsigned>((C * 32 + 255) / 256), 256, 0, stream>>>(
-      dweight, RMS ? nullptr : dbias, partial.as<float>(), grid, C);
-  NDT_CUDA_CHECK_LAUNCH();
+  // The finish kernel skips a null output; an RMSNorm has no bias term (its dinp sums come second).
+  detail::colsum_finish(NOUT, dweight, RMS ? dsum : dbias, RMS ? nullptr : dsum, partial.as<float>(), grid, C,
+                        stream);
 }
 
 // The fused backward where it applies (bf16, 16-byte aligned rows of a multiple of 8 columns, at most
 // kFusedMaxChunks chunks, both parameter gradients wanted); false otherwise.
 template <typename E, bool RMS>
-bool norm_backward_fused(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
-                         const float* mean, const float* rstd, int64_t T, int64_t C, cudaStream_t stream,
-                         const E* dres) {
+bool norm_backward_fused(E* dinp, float* dweight, float* dbias, float* dsum, const E* dout, const E* inp,
+                         const E* weight, const float* mean, const float* rstd, int64_t T, int64_t C,
+                         cudaStream_t stream, const E* dres) {
   if constexpr (!std::is_same_v<E, __nv_bfloat16>) {
     return false;
   } else {
@@ -250,10 +258,14 @@ bool norm_backward_fused(E* dinp, float* dweight, float* dbias, const E* dout, c
         !detail::all_aligned16({dinp, dout, inp, weight, dres}))
       return false;
     switch (chunks) {
-#define NDT_FUSED_CASE(n)                                                                                 \
-  case n:                                                                                                 \
-    launch_norm_backward_fused<RMS, n>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, T, C, stream, \
-                                       dres);                                                             \
+#define NDT_FUSED_CASE(n)                                                                                    \
+  case n:                                                                                                    \
+    if (dsum)                                                                                                \
+      launch_norm_backward_fused<RMS, n, true>(dinp, dweight, dbias, dsum, dout, inp, weight, mean, rstd, T, \
+                                               C, stream, dres);                                             \
+    else                                                                                                     \
+      launch_norm_backward_fused<RMS, n, false>(dinp, dweight, dbias, nullptr, dout, inp, weight, mean,      \
+                                                rstd, T, C, stream, dres);                                   \
     return true;
       NDT_FUSED_CASE(1)
       NDT_FUSED_CASE(2)
@@ -389,9 +401,10 @@ void norm_forward(E* out, float* mean, float* rstd, const E* inp, const E* weigh
 template <typename E, bool RMS>
 void norm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
                    const float* mean, const float* rstd, int64_t T, int64_t C, cudaStream_t stream,
-                   const E* dres) {
+                   const E* dres, float* dsum) {
   if (T <= 0 || C <= 0) return;
-  if (norm_backward_fused<E, RMS>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, T, C, stream, dres))
+  if (norm_backward_fused<E, RMS>(dinp, dweight, dbias, dsum, dout, inp, weight, mean, rstd, T, C, stream,
+                                  dres))
     return;
   if (dinp) {
     const unsigned grid = static_cast<unsigned>((T + kWarps - 1) / kWarps);
@@ -405,6 +418,7 @@ void norm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E
     NDT_CUDA_CHECK_LAUNCH();
   }
   detail::colsum<2>(dweight, dbias, NormParamGrad<E, RMS>{dout, inp, mean, rstd, C}, T, C, stream);
+  if (dsum) bias_backward<E>(dsum, dinp, T, C, stream);
 }
 }  // namespace
 
@@ -430,8 +444,8 @@ void add_rmsnorm_forward(E* h, E* out, float* rstd, const E* a, const E* b, cons
 template <typename E>
 void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
                         const float* mean, const float* rstd, int64_t T, int64_t C, cudaStream_t stream,
-                        const E* dres) {
-  norm_backward<E, false>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, T, C, stream, dres);
+                        const E* dres, float* dsum) {
+  norm_backward<E, false>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, T, C, stream, dres, dsum);
 }
 
 template <typename E>
@@ -442,22 +456,23 @@ void rmsnorm_forward(E* out, float* rstd, const E* inp, const E* weight, int64_t
 
 template <typename E>
 void rmsnorm_backward(E* dinp, float* dweight, const E* dout, const E* inp, const E* weight,
-                      const float* rstd, int64_t T, int64_t C, cudaStream_t stream, const E* dres) {
-  norm_backward<E, true>(dinp, dweight, nullptr, dout, inp, weight, nullptr, rstd, T, C, stream, dres);
+                      const float* rstd, int64_t T, int64_t C, cudaStream_t stream, const E* dres,
+                      float* dsum) {
+  norm_backward<E, true>(dinp, dweight, nullptr, dout, inp, weight, nullptr, rstd, T, C, stream, dres, dsum);
 }
 
 #define NDT_INSTANTIATE(E)                                                                                 \
   template void layernorm_forward<E>(E*, float*, float*, const E*, const E*, const E*, int64_t, int64_t,   \
                                      float, cudaStream_t);                                                 \
   template void layernorm_backward<E>(E*, float*, float*, const E*, const E*, const E*, const float*,      \
-                                      const float*, int64_t, int64_t, cudaStream_t, const E*);             \
+                                      const float*, int64_t, int64_t, cudaStream_t, const E*, float*);     \
   template void rmsnorm_forward<E>(E*, float*, const E*, const E*, int64_t, int64_t, float, cudaStream_t); \
   template void add_layernorm_forward<E>(E*, E*, float*, float*, const E*, const E*, const E*, const E*,   \
                                          const E*, int64_t, int64_t, float, cudaStream_t);                 \
   template void add_rmsnorm_forward<E>(E*, E*, float*, const E*, const E*, const E*, const E*, int64_t,    \
                                        int64_t, float, cudaStream_t);                                      \
   template void rmsnorm_backward<E>(E*, float*, const E*, const E*, const E*, const float*, int64_t,       \
-                                    int64_t, cudaStream_t, const E*);
+                                    int64_t, cudaStream_t, const E*, float*);
 NDT_INSTANTIATE(float)
 NDT_INSTANTIATE(__nv_bfloat16)
 #undef NDT_INSTANTIATE

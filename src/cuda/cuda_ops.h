@@ -84,11 +84,13 @@ template <typename E>
 void layernorm_forward(E* out, float* mean, float* rstd, const E* inp, const E* weight, const E* bias,
                        int64_t T, int64_t C, float eps, cudaStream_t stream = 0);
 // Norm backward: dinp += input gradient; with dres set, dinp = dres + input gradient instead (dinp not read:
-// the residual branch's gradient without a copy). dweight/dbias += their column sums.
+// the residual branch's gradient without a copy). dweight/dbias += their column sums. With dsum set, dsum +=
+// the column sums of dinp as written (the bias gradient of the layer whose output dinp is the gradient of),
+// in the same pass where the fused kernel runs.
 template <typename E>
 void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
                         const float* mean, const float* rstd, int64_t T, int64_t C, cudaStream_t stream = 0,
-                        const E* dres = nullptr);
+                        const E* dres = nullptr, float* dsum = nullptr);
 template <typename E>
 void rmsnorm_forward(E* out, float* rstd, const E* inp, const E* weight, int64_t T, int64_t C, float eps,
                      cudaStream_t stream = 0);
@@ -104,7 +106,7 @@ void add_rmsnorm_forward(E* h, E* out, float* rstd, const E* a, const E* b, cons
 template <typename E>
 void rmsnorm_backward(E* dinp, float* dweight, const E* dout, const E* inp, const E* weight,
                       const float* rstd, int64_t T, int64_t C, cudaStream_t stream = 0,
-                      const E* dres = nullptr);
+                      const E* dres = nullptr, float* dsum = nullptr);
 
 // ---- rotary embedding on (T, H, D), rotate_half layout; angles in double as on CPU. inp == out ok ----
 template <typename E>

@@ -146,9 +146,7 @@ void bias_backward(float* dbias, const E* dout, int64_t T, int64_t OC, cudaStrea
       const dim3 grid(static_cast<unsigned>((OC + 255) / 256), static_cast<unsigned>(nchunk));
       bias_grad_partial_vec_kernel<<<grid, 256, 0, stream>>>(partial.as<float>(), dout, T, OC);
       NDT_CUDA_CHECK_LAUNCH();
-      detail::colsum_finish_kernel<1><<<static_cast<unsigned>((OC * 32 + 255) / 256), 256, 0, stream>>>(
-          dbias, nullptr, partial.as<float>(), nchunk, OC);
-      NDT_CUDA_CHECK_LAUNCH();
+      detail::colsum_finish(1, dbias, nullptr, nullptr, partial.as<float>(), nchunk, OC, stream);
       return;
     }
   }

@@ -188,14 +188,21 @@ Tensor Transformer::head_norm_backward(const std::string& prefix, const Tensor& 
 }
 
 void Transformer::norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x,
-                                const Tensor& mean, const Tensor& rstd, const Tensor* dres) {
+                                const Tensor& mean, const Tensor& rstd, const Tensor* dres, Param* dx_bias) {
   Param& w = p(prefix + ".weight");
+  Tensor* colsum = dx_bias ? &dx_bias->grad : nullptr;
   if (cfg_.is_gpt2()) {
     ops::layernorm_backward(dx, w.grad, p(prefix + ".bias").grad, dout, x, w.compute_value(), mean, rstd,
-                            dres);
+                            dres, colsum);
   } else {
-    ops::rmsnorm_backward(dx, w.grad, dout, x, w.compute_value(), rstd, dres);
+    ops::rmsnorm_backward(dx, w.grad, dout, x, w.compute_value(), rstd, dres, colsum);
   }
+}
+
+Param* Transformer::folded_mlp_bias(int64_t l) {
+  if (l < stage_.first_layer || l >= stage_.last_layer || moe_.count(l)) return nullptr;
+  if (l + 1 == stage_.last_layer && !stage_.has_head) return nullptr;  // from the next stage
+  return ps_->find(lp(l) + "mlp.proj.bias");
 }
 
 namespace {
@@ -370,10 +377,11 @@ Tensor Transformer::mlp_forward(const std::string& prefix, int64_t fl, LayerActs
       {});
 }
 
-Tensor Transformer::mlp_backward(const std::string& prefix, int64_t fl, const Tensor& dout, LayerActs& a) {
+Tensor Transformer::mlp_backward(const std::string& prefix, int64_t fl, const Tensor& dout, LayerActs& a,
+                                 bool out_bias_done) {
   const int64_t C = cfg_.d_model, T = a.m_in.size(0);
   const bool gpt2 = cfg_.is_gpt2();
-  if (Param* b = ps_->find(prefix + "proj.bias")) ops::bias_backward(b->grad, dout);
+  if (Param* b = ps_->find(prefix + "proj.bias"); b && !out_bias_done) ops::bias_backward(b->grad, dout);
   Param& w1 = p(prefix + (gpt2 ? "fc.weight" : "w1.weight"));
   Param& w2 = p(prefix + (gpt2 ? "proj.weight" : "w2.weight"));
   Param* w3 = gpt2 ? nullptr : &p(prefix + "w3.weight");
@@ -422,16 +430,16 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
   Tensor dh = act(dout.shape());  // = dout + the MLP norm's input gradient (written by norm_backward)
   Tensor dn2;
   if (auto it = moe_.find(l); it == moe_.end()) {
-    dn2 = mlp_backward(pre + "mlp.", ffn_local_, dout, a);
+    dn2 = mlp_backward(pre + "mlp.", ffn_local_, dout, a, /*out_bias_done=*/folded_mlp_bias(l) != nullptr);
   } else {
     dn2 = it->second->backward(dout, a.moe);
     if (shared_local_ > 0) ops::add_(dn2, mlp_backward(pre + "mlp.shared.", shared_local_, dout, a));
   }
-  norm_backward(pre + "mlp_norm", dh, dn2, a.h, a.n2_mean, a.n2_rstd, &dout);
+  // The attention output bias's gradient is dh's column sums: summed in the norm's pass.
+  norm_backward(pre + "mlp_norm", dh, dn2, a.h, a.n2_mean, a.n2_rstd, &dout, ps_->find(pre + "attn.wo.bias"));
 
   // Attention branch: h = x + exit(att @ Wo^T) (+ bias).
   Tensor dx = act(dh.shape());  // = dh + the attention norm's input gradient
-  if (Param* b = ps_->find(pre + "attn.wo.bias")) ops::bias_backward(b->grad, dh);
   Tensor datt = act({T, heads_local_, D});
   Param& wo = p(pre + "attn.wo.weight");
   const Tensor datt2d = datt.view({T, heads_local_ * D}), att2d = a.att.view({T, heads_local_ * D});
@@ -523,7 +531,7 @@ Tensor Transformer::layer_backward(int64_t l, const Microbatch& mb, const Tensor
           ops::linear_backward(nullptr, w.grad, b ? &b->grad : nullptr, *d, a.a_in, w.compute_value());
         }
       });
-  norm_backward(pre + "attn_norm", dx, dn1, a.x_in, a.n1_mean, a.n1_rstd, &dh);
+  norm_backward(pre + "attn_norm", dx, dn1, a.x_in, a.n1_mean, a.n1_rstd, &dh, folded_mlp_bias(l - 1));
   return dx;
 }
 
@@ -640,7 +648,8 @@ Tensor Transformer::backward(const Microbatch& mb, const Tensor& dy, float loss_
     ops::linear_backward(&dhead_in, w.grad, nullptr, dlogits, acts.head_in, w.compute_value());
     Tensor dfn = tp_->enter_backward(dhead_in);
     dx = act_zeros({Tl, C});
-    norm_backward("final_norm", dx, dfn, acts.x_final, acts.fn_mean, acts.fn_rstd);
+    norm_backward("final_norm", dx, dfn, acts.x_final, acts.fn_mean, acts.fn_rstd, nullptr,
+                  folded_mlp_bias(stage_.last_layer - 1));
     if (head_done_) head_done_();
     phase_mark(dx.device(), "other");
   } else {

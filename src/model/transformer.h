@@ -138,7 +138,13 @@ class Transformer {
   // residual (one TP rank): returns residual + that output + the down projection's bias, summed in the
   // down projection's matmul (in cached forwards without that bias, into *residual itself).
   Tensor mlp_forward(const std::string& prefix, int64_t fl, LayerActs& a, Tensor* residual = nullptr);
-  Tensor mlp_backward(const std::string& prefix, int64_t fl, const Tensor& dout, LayerActs& a);
+  // out_bias_done: the output bias's gradient was summed already (folded_mlp_bias).
+  Tensor mlp_backward(const std::string& prefix, int64_t fl, const Tensor& dout, LayerActs& a,
+                      bool out_bias_done = false);
+  // Layer l's dense MLP output bias when its output gradient comes from a norm backward on this stage (the
+  // next layer's attention norm, or the final norm): that norm's pass sums the bias gradient (one column-sum
+  // pass fewer a layer on the GPU). Null otherwise (the gradient comes from another stage; an MoE layer).
+  Param* folded_mlp_bias(int64_t l);
   void mlp_params(const std::string& prefix, int64_t width);
   // The q/k/v bias gradients from the fused [dq | dk | dv] when the biases are not back to back in the store.
   void qkv_bias_grads(const std::string& pre, const Tensor& dqkv);
@@ -151,9 +157,11 @@ class Transformer {
   // h = a + (b + rbias) and out = norm(h): one kernel on the GPU.
   void add_norm_forward(const std::string& prefix, const Tensor& a, const Tensor& b, const Tensor* rbias,
                         Tensor& h, Tensor& out, Tensor& mean, Tensor& rstd);
-  // dx += norm input gradient; with dres, dx = *dres + norm input gradient (dx fresh, not read).
+  // dx += norm input gradient; with dres, dx = *dres + norm input gradient (dx fresh, not read). With
+  // dx_bias, that bias's gradient += the column sums of dx (the layer below's output bias).
   void norm_backward(const std::string& prefix, Tensor& dx, const Tensor& dout, const Tensor& x,
-                     const Tensor& mean, const Tensor& rstd, const Tensor* dres = nullptr);
+                     const Tensor& mean, const Tensor& rstd, const Tensor* dres = nullptr,
+                     Param* dx_bias = nullptr);
   Param& p(const std::string& name) { return ps_->get(name); }
   // Parameters `pre + names` stored back to back (registration order: wq, wk, wv; w1, w3) as one (rows, C)
   // matrix of the compute copy, for one matmul in place of several; undefined when they are not contiguous

@@ -204,18 +204,23 @@ void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& in
 }
 
 void layernorm_backward(Tensor& dinp, Tensor& dweight, Tensor& dbias, const Tensor& dout, const Tensor& inp,
-                        const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor* dres) {
+                        const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor* dres,
+                        Tensor* dinp_colsum) {
   NDT_CHECK(!dres || dres->numel() == dinp.numel(), "layernorm_backward: residual gradient {} vs {}",
             dres ? shape_str(dres->shape()) : "", shape_str(dinp.shape()));
-  NDT_ON_CUDA(inp, cuda::layernorm_backward<E>(dp<E>(dinp, "ln dinp"), dp<float>(dweight, "ln dweight"),
-                                               dp<float>(dbias, "ln dbias"), dp<E>(dout, "ln dout"),
-                                               dp<E>(inp, "ln inp"), dp<E>(weight, "ln weight"),
-                                               dp<float>(mean, "ln mean"), dp<float>(rstd, "ln rstd"),
-                                               rows(inp), inp.size(-1), st(), dp_opt<E>(dres, "ln dres")));
+  NDT_CHECK(!dinp_colsum || dinp_colsum->numel() == inp.size(-1),
+            "layernorm_backward: column sums of {} for rows of {}", dinp_colsum ? dinp_colsum->numel() : 0,
+            inp.size(-1));
+  NDT_ON_CUDA(inp, cuda::layernorm_backward<E>(
+                       dp<E>(dinp, "ln dinp"), dp<float>(dweight, "ln dweight"), dp<float>(dbias, "ln dbias"),
+                       dp<E>(dout, "ln dout"), dp<E>(inp, "ln inp"), dp<E>(weight, "ln weight"),
+                       dp<float>(mean, "ln mean"), dp<float>(rstd, "ln rstd"), rows(inp), inp.size(-1), st(),
+                       dp_opt<E>(dres, "ln dres"), dp_opt<float>(dinp_colsum, "ln dinp colsum")));
   require_cpu(inp, "layernorm_backward");
   if (dres) dinp.copy_from(*dres);
   cpu::layernorm_backward(dinp.f32(), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(),
                           mean.f32(), rstd.f32(), rows(inp), inp.size(-1));
+  if (dinp_colsum) bias_backward(*dinp_colsum, dinp);
 }
 
 void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) {
@@ -278,17 +283,22 @@ void add_rmsnorm_forward(Tensor& h, Tensor& out, Tensor& rstd, const Tensor& a, 
 }
 
 void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                      const Tensor& weight, const Tensor& rstd, const Tensor* dres) {
+                      const Tensor& weight, const Tensor& rstd, const Tensor* dres, Tensor* dinp_colsum) {
   NDT_CHECK(!dres || dres->numel() == dinp.numel(), "rmsnorm_backward: residual gradient {} vs {}",
             dres ? shape_str(dres->shape()) : "", shape_str(dinp.shape()));
+  NDT_CHECK(!dinp_colsum || dinp_colsum->numel() == inp.size(-1),
+            "rmsnorm_backward: column sums of {} for rows of {}", dinp_colsum ? dinp_colsum->numel() : 0,
+            inp.size(-1));
   NDT_ON_CUDA(inp, cuda::rmsnorm_backward<E>(dp<E>(dinp, "rms dinp"), dp<float>(dweight, "rms dweight"),
                                              dp<E>(dout, "rms dout"), dp<E>(inp, "rms inp"),
                                              dp<E>(weight, "rms weight"), dp<float>(rstd, "rms rstd"),
-                                             rows(inp), inp.size(-1), st(), dp_opt<E>(dres, "rms dres")));
+                                             rows(inp), inp.size(-1), st(), dp_opt<E>(dres, "rms dres"),
+                                             dp_opt<float>(dinp_colsum, "rms dinp colsum")));
   require_cpu(inp, "rmsnorm_backward");
   if (dres) dinp.copy_from(*dres);
   cpu::rmsnorm_backward(dinp.f32(), dweight.f32(), dout.f32(), inp.f32(), weight.f32(), rstd.f32(), rows(inp),
                         inp.size(-1));
+  if (dinp_colsum) bias_backward(*dinp_colsum, dinp);
 }
 
 void rope_forward(Tensor& x, const Tensor& pos, float theta) {

@@ -41,10 +41,12 @@ void linear_backward(Tensor* dinp, Tensor& dweight, Tensor* dbias, const Tensor&
 
 void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp, const Tensor& weight,
                        const Tensor& bias, float eps);
-// dinp += input gradient, or with dres: dinp = *dres + input gradient (dinp a fresh buffer, not read).
+// dinp += input gradient, or with dres: dinp = *dres + input gradient (dinp a fresh buffer, not read). With
+// dinp_colsum (F32, one per column): += the column sums of dinp as written, i.e. bias_backward(*dinp_colsum,
+// dinp) after the op, in the same pass on the GPU (the bias gradient of the layer that produced the input).
 void layernorm_backward(Tensor& dinp, Tensor& dweight, Tensor& dbias, const Tensor& dout, const Tensor& inp,
                         const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-                        const Tensor* dres = nullptr);
+                        const Tensor* dres = nullptr, Tensor* dinp_colsum = nullptr);
 void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps);
 // The residual add before a norm: h = add(a, b, rbias) (a new tensor like a), then the norm of h into out.
 // One kernel on the GPU, equal bit for bit to the two ops.
@@ -54,7 +56,8 @@ void add_layernorm_forward(Tensor& h, Tensor& out, Tensor& mean, Tensor& rstd, c
 void add_rmsnorm_forward(Tensor& h, Tensor& out, Tensor& rstd, const Tensor& a, const Tensor& b,
                          const Tensor* rbias, const Tensor& weight, float eps);
 void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                      const Tensor& weight, const Tensor& rstd, const Tensor* dres = nullptr);
+                      const Tensor& weight, const Tensor& rstd, const Tensor* dres = nullptr,
+                      Tensor* dinp_colsum = nullptr);
 
 // x(T, H, D) rotated in place by positions pos(T).
 void rope_forward(Tensor& x, const Tensor& pos, float theta);

@@ -268,7 +268,9 @@ TYPED_TEST(CudaOps, BiasBackwardManyRows) {
 // The norms' backward with the residual gradient and both parameter gradients at once, as the transformer
 // calls it: bf16 rows of a multiple of 8 up to 2048 columns take the fused kernel (dinp and the parameter
 // column sums in one pass; more rows than its 512 blocks x 8 warps, so warps loop), others the dinp kernel
-// plus a column sum. Tolerances as above: bf16 dinp 1e-2, fp32 parameter gradients 1e-5.
+// plus a column sum. Tolerances as above: bf16 dinp 1e-2, fp32 parameter gradients 1e-5. The optional
+// column sums of dinp (the layer below's bias gradient) are checked against the sums, in double, of the
+// values the kernel wrote (bf16-rounded), added to a prior value, 1e-5.
 TYPED_TEST(CudaOps, NormBackwardWithResidualManyRows) {
   NDT_REQUIRE_GPU();
   using E = TypeParam;
@@ -276,41 +278,64 @@ TYPED_TEST(CudaOps, NormBackwardWithResidualManyRows) {
     const int64_t n = rows * c;
     const Vec x = rounded<E>(randv(n, 60, 0.1f, 2.f)), w = rounded<E>(randv(c, 61)),
               g = rounded<E>(randv(n, 62)), res = rounded<E>(randv(n, 63)), prew = randv(c, 64),
-              preb = randv(c, 65);
+              preb = randv(c, 65), pres = randv(c, 66);
     Vec rm(rows), rr(rows), ro(n), rb(c, 0.f);
     ndt::cpu::layernorm_forward(ro.data(), rm.data(), rr.data(), x.data(), w.data(), rb.data(), rows, c,
                                 1e-5f);
     Dev<E> dx(x), dw(w), dg(g), dres(res), dinp(n);
-    Dev<float> mean(rm), rstd(rr), dweight(prew), dbias(preb);
-    for (bool rms : {false, true}) {
-      char label[64];
-      std::snprintf(label, sizeof(label), "%s %lldx%lld", rms ? "rmsnorm" : "layernorm",
-                    static_cast<long long>(rows), static_cast<long long>(c));
-      Vec rdi = res, rdw = prew, rdb = preb;
-      dinp.poison();
-      dweight.upload(prew);
-      dbias.upload(preb);
-      if (rms) {
-        ndt::cuda::rmsnorm_backward<E>(dinp.p, dweight.p, dg.p, dx.p, dw.p, rstd.p, rows, c, 0, dres.p);
-        ndt::cpu::rmsnorm_backward(rdi.data(), rdw.data(), g.data(), x.data(), w.data(), rr.data(), rows, c);
-      } else {
-        ndt::cuda::layernorm_backward<E>(dinp.p, dweight.p, dbias.p, dg.p, dx.p, dw.p, mean.p, rstd.p, rows,
-                                         c, 0, dres.p);
-        ndt::cpu::layernorm_backward(rdi.data(), rdw.data(), rdb.data(), g.data(), x.data(), w.data(),
-                                     rm.data(), rr.data(), rows, c);
-        expect_close<E>((std::string(label) + " dbias(+=)").c_str(), dbias.get(), rdb, 1e-5);
+    Dev<float> mean(rm), rstd(rr), dweight(prew), dbias(preb), dsum(pres);
+    const auto colsum_ref = [&](const Vec& written) {
+      Vec r(static_cast<size_t>(c));
+      for (int64_t j = 0; j < c; ++j) {
+        double acc = pres[static_cast<size_t>(j)];
+        for (int64_t t = 0; t < rows; ++t) acc += written[static_cast<size_t>(t * c + j)];
+        r[static_cast<size_t>(j)] = static_cast<float>(acc);
       }
-      expect_close<E>((std::string(label) + " dinp = dres +").c_str(), dinp.get(), rdi);
-      expect_close<E>((std::string(label) + " dweight(+=)").c_str(), dweight.get(), rdw, 1e-5);
-      if (rms) continue;
-      // No residual pointer: the gradient is added to what dinp holds (here the same residual).
-      dinp.upload(res);
-      dweight.upload(prew);
-      dbias.upload(preb);
-      ndt::cuda::layernorm_backward<E>(dinp.p, dweight.p, dbias.p, dg.p, dx.p, dw.p, mean.p, rstd.p, rows, c);
-      expect_close<E>((std::string(label) + " dinp +=").c_str(), dinp.get(), rdi);
-      expect_close<E>((std::string(label) + " dweight(+=), dinp +=").c_str(), dweight.get(), rdw, 1e-5);
-      expect_close<E>((std::string(label) + " dbias(+=), dinp +=").c_str(), dbias.get(), rdb, 1e-5);
+      return r;
+    };
+    for (bool rms : {false, true}) {
+      for (bool with_sum : {false, true}) {
+        char label[80];
+        std::snprintf(label, sizeof(label), "%s %lldx%lld%s", rms ? "rmsnorm" : "layernorm",
+                      static_cast<long long>(rows), static_cast<long long>(c), with_sum ? " +colsum" : "");
+        float* sum = with_sum ? dsum.p : nullptr;
+        Vec rdi = res, rdw = prew, rdb = preb;
+        dinp.poison();
+        dweight.upload(prew);
+        dbias.upload(preb);
+        dsum.upload(pres);
+        if (rms) {
+          ndt::cuda::rmsnorm_backward<E>(dinp.p, dweight.p, dg.p, dx.p, dw.p, rstd.p, rows, c, 0, dres.p,
+                                         sum);
+          ndt::cpu::rmsnorm_backward(rdi.data(), rdw.data(), g.data(), x.data(), w.data(), rr.data(), rows,
+                                     c);
+        } else {
+          ndt::cuda::layernorm_backward<E>(dinp.p, dweight.p, dbias.p, dg.p, dx.p, dw.p, mean.p, rstd.p, rows,
+                                           c, 0, dres.p, sum);
+          ndt::cpu::layernorm_backward(rdi.data(), rdw.data(), rdb.data(), g.data(), x.data(), w.data(),
+                                       rm.data(), rr.data(), rows, c);
+          expect_close<E>((std::string(label) + " dbias(+=)").c_str(), dbias.get(), rdb, 1e-5);
+        }
+        const Vec written = dinp.get();
+        expect_close<E>((std::string(label) + " dinp = dres +").c_str(), written, rdi);
+        expect_close<E>((std::string(label) + " dweight(+=)").c_str(), dweight.get(), rdw, 1e-5);
+        expect_close<E>((std::string(label) + " dinp column sums").c_str(), dsum.get(),
+                        with_sum ? colsum_ref(written) : pres, 1e-5);
+        if (rms) continue;
+        // No residual pointer: the gradient is added to what dinp holds (here the same residual).
+        dinp.upload(res);
+        dweight.upload(prew);
+        dbias.upload(preb);
+        dsum.upload(pres);
+        ndt::cuda::layernorm_backward<E>(dinp.p, dweight.p, dbias.p, dg.p, dx.p, dw.p, mean.p, rstd.p, rows,
+                                         c, 0, nullptr, sum);
+        const Vec added = dinp.get();
+        expect_close<E>((std::string(label) + " dinp +=").c_str(), added, rdi);
+        expect_close<E>((std::string(label) + " dweight(+=), dinp +=").c_str(), dweight.get(), rdw, 1e-5);
+        expect_close<E>((std::string(label) + " dbias(+=), dinp +=").c_str(), dbias.get(), rdb, 1e-5);
+        expect_close<E>((std::string(label) + " dinp column sums, dinp +=").c_str(), dsum.get(),
+                        with_sum ? colsum_ref(added) : pres, 1e-5);
+      }
     }
   }
 }
