@@ -41,6 +41,10 @@
 #   KERNEL_TRACE=20:22           the ndtrain row also writes a CUPTI kernel trace of those steps
 #                    (MODEL/kernel_trace/kernels.rank0.{json,txt}; `ndtrain train --kernel-trace`)
 #   NDTRAIN_LAUNCH               prefix for ndtrain (e.g. "mpirun -np 1 --allow-run-as-root"; default none)
+#   CLOCKS=1         samples the GPU's SM and memory clocks, power, temperature and throttle reasons every
+#                    100 ms during each training run (nvidia-smi) into MODEL/<run>.clocks.csv, with the run's
+#                    start time (Unix seconds) in MODEL/<run>.start: a step's time in metrics.jsonl
+#                    (elapsed_seconds) plus the start gives the samples beside it
 #   DEVICE=cuda PRECISION=bf16   MODELS=tiny DEVICE=cpu PRECISION=fp32 smoke-tests the script without a GPU
 set -uo pipefail
 
@@ -58,6 +62,32 @@ TORCH_MODES=${TORCH_MODES:-eager compile}
 TIMEOUT=${TIMEOUT:-400}
 SCRATCH=${SCRATCH:-/tmp/ndtrain-bench}
 LAUNCH=${NDTRAIN_LAUNCH:-}
+
+# CLOCKS=1: one nvidia-smi sampler per training run (the GPU of CUDA_VISIBLE_DEVICES' first entry).
+clocks_pid="" clocks_gpu="" clocks_fields=""
+clocks_start() {  # FILE_STEM
+  [ "${CLOCKS:-0}" = 1 ] && command -v nvidia-smi > /dev/null || return 0
+  if [ -z "$clocks_fields" ]; then  # the throttle reasons' field has two names across drivers
+    clocks_gpu=${CUDA_VISIBLE_DEVICES:-0}
+    clocks_gpu=${clocks_gpu%%,*}
+    clocks_fields=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
+    for r in clocks_event_reasons.active clocks_throttle_reasons.active; do
+      if nvidia-smi -i "$clocks_gpu" --format=csv --query-gpu="$clocks_fields,$r" > /dev/null 2>&1; then
+        clocks_fields+=",$r"
+        break
+      fi
+    done
+  fi
+  date +%s.%N > "$1.start"
+  nvidia-smi -i "$clocks_gpu" --format=csv -lms 100 --query-gpu="$clocks_fields" > "$1.clocks.csv" 2> /dev/null &
+  clocks_pid=$!
+}
+clocks_stop() {
+  [ -n "$clocks_pid" ] || return 0
+  kill "$clocks_pid" 2> /dev/null
+  wait "$clocks_pid" 2> /dev/null
+  clocks_pid=""
+}
 DEVICE=${DEVICE:-cuda}        # cpu (with PRECISION=fp32): a GPU-less dry run of the script (MODELS=tiny)
 PRECISION=${PRECISION:-bf16}
 mkdir -p "$SCRATCH"
@@ -127,9 +157,11 @@ run_model() {
   log "$name: ndtrain train ($DEVICE, $PRECISION)"
   local trace=()
   [ -n "${KERNEL_TRACE:-}" ] && trace=(--kernel-trace "$dir/kernel_trace" --kernel-trace-steps "$KERNEL_TRACE")
+  clocks_start "$dir/ndtrain"
   timeout "$TIMEOUT" $LAUNCH "$NDTRAIN" train -c "$cfg" "${trace[@]}" --set "${sets[@]}" train.device="$DEVICE" \
     train.precision="$PRECISION" "train.out_dir=$dir/ndtrain" > "$dir/ndtrain.log" 2>&1
   local rc=$?
+  clocks_stop
   rm -f "$dir/ndtrain/model.safetensors"  # final weights: large and not needed
   tail -n 3 "$dir/ndtrain.log"
   [ $rc -ne 0 ] && { log "$name: ndtrain FAILED (exit $rc, see $name/ndtrain.log)"; failed+=(--failed "ndtrain=exit $rc, see ndtrain.log"); }
@@ -138,9 +170,11 @@ run_model() {
     local label=${extra%%:*} envset=${extra#*:} bin=$NDTRAIN
     [ "${envset%%=*}" = NDTRAIN ] && bin=$(readlink -f "${envset#NDTRAIN=}")  # another binary, same settings
     log "$name: ndtrain $label ($envset)"
+    clocks_start "$dir/ndtrain_$label"
     env "$envset" timeout "$TIMEOUT" $LAUNCH "$bin" train -c "$cfg" --set "${sets[@]}" train.device="$DEVICE" \
       train.precision="$PRECISION" "train.out_dir=$dir/ndtrain_$label" > "$dir/ndtrain_$label.log" 2>&1 ||
       failed+=(--failed "ndtrain $label=exit $?, see ndtrain_$label.log")
+    clocks_stop
     rm -f "$dir/ndtrain_$label/model.safetensors"
     runs+=(--run "ndtrain $label=$dir/ndtrain_$label")
   done
@@ -149,9 +183,11 @@ run_model() {
     log "$name: torch $mode"
     local how=(--mode "$mode")
     [ "$mode" = fastest ] && how=(--mode compile --sync-every 10 --attention auto --compile-mode "${TORCH_COMPILE_MODE:-}")
+    clocks_start "$dir/torch_$mode"
     timeout "$TIMEOUT" $PY bench/torch_model.py train --config "$cfg" --set "${sets[@]}" ${init_file:+--init "$init_file"} \
       "${how[@]}" --device "$DEVICE" --precision "$PRECISION" --out "$dir/torch_$mode" > "$dir/torch_$mode.log" 2>&1
     rc=$?
+    clocks_stop
     tail -n 2 "$dir/torch_$mode.log"
     [ $rc -ne 0 ] && { log "$name: torch $mode FAILED (exit $rc)"; failed+=(--failed "torch $mode=exit $rc, see torch_$mode.log"); }
     runs+=(--run "torch $mode=$dir/torch_$mode")
