@@ -203,14 +203,21 @@ void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& in
                          inp.size(-1), eps);
 }
 
+namespace {
+// The norm backwards' optional operands: the residual gradient like dinp, one column sum per column.
+void check_norm_backward(const char* op, const Tensor& dinp, const Tensor* dres, const Tensor* dinp_colsum,
+                         const Tensor& inp) {
+  NDT_CHECK(!dres || dres->numel() == dinp.numel(), "{}: residual gradient {} vs {}", op,
+            dres ? shape_str(dres->shape()) : "", shape_str(dinp.shape()));
+  NDT_CHECK(!dinp_colsum || dinp_colsum->numel() == inp.size(-1), "{}: column sums of {} for rows of {}", op,
+            dinp_colsum ? dinp_colsum->numel() : 0, inp.size(-1));
+}
+}  // namespace
+
 void layernorm_backward(Tensor& dinp, Tensor& dweight, Tensor& dbias, const Tensor& dout, const Tensor& inp,
                         const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor* dres,
                         Tensor* dinp_colsum) {
-  NDT_CHECK(!dres || dres->numel() == dinp.numel(), "layernorm_backward: residual gradient {} vs {}",
-            dres ? shape_str(dres->shape()) : "", shape_str(dinp.shape()));
-  NDT_CHECK(!dinp_colsum || dinp_colsum->numel() == inp.size(-1),
-            "layernorm_backward: column sums of {} for rows of {}", dinp_colsum ? dinp_colsum->numel() : 0,
-            inp.size(-1));
+  check_norm_backward("layernorm_backward", dinp, dres, dinp_colsum, inp);
   NDT_ON_CUDA(inp, cuda::layernorm_backward<E>(
                        dp<E>(dinp, "ln dinp"), dp<float>(dweight, "ln dweight"), dp<float>(dbias, "ln dbias"),
                        dp<E>(dout, "ln dout"), dp<E>(inp, "ln inp"), dp<E>(weight, "ln weight"),
@@ -284,11 +291,7 @@ void add_rmsnorm_forward(Tensor& h, Tensor& out, Tensor& rstd, const Tensor& a, 
 
 void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
                       const Tensor& weight, const Tensor& rstd, const Tensor* dres, Tensor* dinp_colsum) {
-  NDT_CHECK(!dres || dres->numel() == dinp.numel(), "rmsnorm_backward: residual gradient {} vs {}",
-            dres ? shape_str(dres->shape()) : "", shape_str(dinp.shape()));
-  NDT_CHECK(!dinp_colsum || dinp_colsum->numel() == inp.size(-1),
-            "rmsnorm_backward: column sums of {} for rows of {}", dinp_colsum ? dinp_colsum->numel() : 0,
-            inp.size(-1));
+  check_norm_backward("rmsnorm_backward", dinp, dres, dinp_colsum, inp);
   NDT_ON_CUDA(inp, cuda::rmsnorm_backward<E>(dp<E>(dinp, "rms dinp"), dp<float>(dweight, "rms dweight"),
                                              dp<E>(dout, "rms dout"), dp<E>(inp, "rms inp"),
                                              dp<E>(weight, "rms weight"), dp<float>(rstd, "rms rstd"),
