@@ -11,6 +11,7 @@
 # copy engines reduce to the owners).
 # MODEL=llama measures the 1B Llama instead (configs/llama-1b.yaml, no TP/PP, 8 x 2048 tokens per GPU in
 # microbatches of 4; STEPS=12 WARMUP=4 by default).
+# EXTRA_SETS="train.host_sync=step" adds config overrides to every run (space-separated).
 # KERNEL_TRACE=20:22 also records those steps' kernels (`ndtrain train --kernel-trace`): per run,
 # OUTDIR/<run>.kernels.txt (rank 0's table: exposed communication, per-kernel times) and
 # OUTDIR/<run>/kernel_trace/kernels.rank*.json (Chrome traces).
@@ -61,7 +62,7 @@ for zero1 in false true; do
     timeout 300 mpirun --allow-run-as-root -np "$n" "$ndtrain" train "${trace[@]}" --config "$src/configs/$config" \
       --set data.task=lm data.tokenizer=byte train.device=cuda train.precision=bf16 parallel.dp="$n" "${model_sets[@]}" \
       parallel.zero1=$zero1 parallel.dp_embedding_grad="$emb" parallel.dp_grad_window="$win" parallel.dp_reduction="$red" train.micro_batch=$micro train.global_batch=$((per_gpu * n)) train.steps="$steps" \
-      train.warmup_steps=5 train.log_every=10 train.eval_every=0 "train.out_dir=$dir" >"$dir.log" 2>&1
+      train.warmup_steps=5 train.log_every=10 train.eval_every=0 ${EXTRA_SETS:-} "train.out_dir=$dir" >"$dir.log" 2>&1
     rc=$?
     med=nan
     [[ $rc == 0 && -f $dir/metrics.jsonl ]] && med=$(median_step "$dir/metrics.jsonl")

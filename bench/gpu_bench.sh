@@ -37,7 +37,8 @@
 #   NDT_TORCH_MOE_GEMM=auto|grouped|loop   the PyTorch MoE experts' path (auto: grouped if its probe passes)
 #   NDTRAIN_EXTRA="native:NDT_ATTENTION=native"  more ndtrain rows, each "label:VAR=value" (an environment
 #                    variable for that run; here: the built-in attention kernel instead of cuDNN's);
-#                    "label:NDTRAIN=path" runs another ndtrain binary instead (a before/after pair)
+#                    "label:NDTRAIN=path" runs another ndtrain binary instead (a before/after pair);
+#                    "label:SET=key=value" adds a config override (e.g. "step:SET=train.host_sync=step")
 #   KERNEL_TRACE=20:22           the ndtrain row also writes a CUPTI kernel trace of those steps
 #                    (MODEL/kernel_trace/kernels.rank0.{json,txt}; `ndtrain train --kernel-trace`)
 #   NDTRAIN_LAUNCH               prefix for ndtrain (e.g. "mpirun -np 1 --allow-run-as-root"; default none)
@@ -167,11 +168,12 @@ run_model() {
   [ $rc -ne 0 ] && { log "$name: ndtrain FAILED (exit $rc, see $name/ndtrain.log)"; failed+=(--failed "ndtrain=exit $rc, see ndtrain.log"); }
   runs+=(--run "ndtrain=$dir/ndtrain")
   for extra in ${NDTRAIN_EXTRA:-}; do  # "label:VAR=value": ndtrain again with that environment variable
-    local label=${extra%%:*} envset=${extra#*:} bin=$NDTRAIN
+    local label=${extra%%:*} envset=${extra#*:} bin=$NDTRAIN more=()
     [ "${envset%%=*}" = NDTRAIN ] && bin=$(readlink -f "${envset#NDTRAIN=}")  # another binary, same settings
-    log "$name: ndtrain $label ($envset)"
+    [ "${envset%%=*}" = SET ] && more=("${envset#SET=}") && envset=NDT_BENCH_LABEL=$label  # another setting
+    log "$name: ndtrain $label ($envset ${more[*]})"
     clocks_start "$dir/ndtrain_$label"
-    env "$envset" timeout "$TIMEOUT" $LAUNCH "$bin" train -c "$cfg" --set "${sets[@]}" train.device="$DEVICE" \
+    env "$envset" timeout "$TIMEOUT" $LAUNCH "$bin" train -c "$cfg" --set "${sets[@]}" "${more[@]}" train.device="$DEVICE" \
       train.precision="$PRECISION" "train.out_dir=$dir/ndtrain_$label" > "$dir/ndtrain_$label.log" 2>&1 ||
       failed+=(--failed "ndtrain $label=exit $?, see ndtrain_$label.log")
     clocks_stop

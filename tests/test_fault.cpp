@@ -161,8 +161,8 @@ void expect_same_state(const Snapshot& a, const Snapshot& b) {
   EXPECT_EQ(a.opt_steps, b.opt_steps);
 }
 
-void skip_leaves_state(const std::string& fault) {
-  const Config cfg = tiny({"train.nonfinite=skip", "debug.fault=" + fault});
+void skip_leaves_state(const std::string& fault, const std::string& sync = "step") {
+  const Config cfg = tiny({"train.nonfinite=skip", "debug.fault=" + fault, "train.host_sync=" + sync});
   auto tok = make_tokenizer("byte").value();
   auto data = make_dataset(cfg.data, *tok, false).value();
   Trainer t(cfg, RunComms{}, *tok, *data, nullptr);
@@ -187,6 +187,9 @@ TEST(NonFinite, SkipLeavesWeightsAndOptimizerState) {
   skip_leaves_state("nan_grad@step=2");
   skip_leaves_state("inf_grad@step=2,rank=0");
   skip_leaves_state("nan_loss@step=2");  // a non-finite loss alone (finite gradients)
+  // The decision on the device (train.host_sync = log; tests/test_host_sync.cpp)
+  skip_leaves_state("nan_grad@step=2", "log");
+  skip_leaves_state("nan_loss@step=2", "log");
 }
 
 TEST(NonFinite, StopNamesStepTensorAndRank) {
@@ -206,9 +209,9 @@ TEST(NonFinite, StopNamesStepTensorAndRank) {
   }
 }
 
-TEST(NonFinite, TooManySkipsInARowStop) {
+void too_many_skips_stop(const std::string& sync) {
   const Config cfg = tiny({"train.nonfinite=skip", "train.max_consecutive_skips=3",
-                           "debug.fault=nan_loss@steps=1-2;nan_grad@steps=4-6"});
+                           "debug.fault=nan_loss@steps=1-2;nan_grad@steps=4-6", "train.host_sync=" + sync});
   auto tok = make_tokenizer("byte").value();
   auto data = make_dataset(cfg.data, *tok, false).value();
   Trainer t(cfg, RunComms{}, *tok, *data, nullptr);
@@ -227,6 +230,11 @@ TEST(NonFinite, TooManySkipsInARowStop) {
               std::string::npos)
         << e.what();
   }
+}
+
+TEST(NonFinite, TooManySkipsInARowStop) {
+  too_many_skips_stop("step");
+  too_many_skips_stop("log");
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // an optional gradient scale (clipping) and an optional bf16 copy of the updated parameters.
 #include <cmath>
 
+#include "core/step_control.h"
 #include "cuda/cuda_kernel_utils.cuh"
 #include "cuda/cuda_ops.h"
 
@@ -45,7 +46,13 @@ struct AdamwOp {
 
 // One block per chunk of kAdamwChunk elements of one run (found by binary search over the runs' first
 // chunks), with the run's own AdamwOp: the same per-element arithmetic as adamw_update.
-__global__ void adamw_runs_kernel(const AdamwRun* runs, int nruns, AdamwOp base, float decayed) {
+__global__ void adamw_runs_kernel(const AdamwRun* runs, int nruns, AdamwOp base, float decayed,
+                                  const StepControl* control) {
+  if (control) {  // the step decided on the device (core/step_control.h)
+    if (control->skip) return;
+    base.step_size = control->step_size, base.bc2_sqrt = control->bc2_sqrt,
+    base.grad_scale = control->grad_scale;
+  }
   const int64_t c = blockIdx.x;
   int lo = 0, hi = nruns - 1;
   while (lo < hi) {
@@ -74,6 +81,7 @@ __global__ void adamw_runs_kernel(const AdamwRun* runs, int nruns, AdamwOp base,
 // The step's scalars; pointers and the decay factor are the caller's.
 AdamwOp adamw_op(float lr, float beta1, float beta2, float eps, int64_t step, float grad_scale) {
   NDT_CUDA_REQUIRE(step >= 1, "adamw: step counts from 1");
+  // (decide_step, core/step_control.h, computes step_size and bc2_sqrt the same way on the device.)
   // Bias corrections in double on the host, as PyTorch (and the CPU twin) compute them.
   const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
@@ -108,11 +116,22 @@ int64_t adamw_plan_runs(AdamwRun* runs, int nruns) {
 
 void adamw_update_runs(const AdamwRun* runs_dev, int nruns, int64_t chunks, float lr, float beta1,
                        float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-                       cudaStream_t stream) {
-  const AdamwOp base = adamw_op(lr, beta1, beta2, eps, step, grad_scale);
+                       cudaStream_t stream, const StepControl* control) {
+  const AdamwOp base = adamw_op(lr, beta1, beta2, eps, control ? 1 : step, grad_scale);
   if (nruns <= 0 || chunks <= 0) return;
   adamw_runs_kernel<<<static_cast<unsigned>(chunks), 256, 0, stream>>>(runs_dev, nruns, base,
-                                                                       1.0f - lr * weight_decay);
+                                                                       1.0f - lr * weight_decay, control);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+__global__ void decide_step_kernel(StepControl* control, StepDecision d, StepRecord* record) {
+  decide_step(*control, d, *record);
+}
+}  // namespace
+
+void decide_step(StepControl* control, const StepDecision& d, StepRecord* record, cudaStream_t stream) {
+  decide_step_kernel<<<1, 1, 0, stream>>>(control, d, record);
   NDT_CUDA_CHECK_LAUNCH();
 }
 

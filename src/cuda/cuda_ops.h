@@ -30,6 +30,8 @@
 
 #include <cstdint>
 
+#include "core/step_control.h"
+
 namespace ndt::cuda {
 
 // ---- embedding (vocab-parallel ready) ----
@@ -215,13 +217,20 @@ constexpr int64_t kAdamwChunk = 1 << 14;
 // Fills chunk0 and vec of each run; returns the total number of chunks (the launch's blocks).
 int64_t adamw_plan_runs(AdamwRun* runs, int nruns);
 // adamw_update over every run in ONE launch (an optimizer step over many parameters without a launch
-// each, the same arithmetic per element): runs_dev holds the planned runs in device memory.
+// each, the same arithmetic per element): runs_dev holds the planned runs in device memory. With a
+// `control` (device memory, filled by decide_step), the step size, bias correction and clip factor come
+// from it instead of step and grad_scale, and the launch changes nothing where it says skip.
 void adamw_update_runs(const AdamwRun* runs_dev, int nruns, int64_t chunks, float lr, float beta1,
                        float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-                       cudaStream_t stream = 0);
+                       cudaStream_t stream = 0, const StepControl* control = nullptr);
+// core/step_control.h's decide_step in a one-thread kernel: control and record in device memory,
+// d.bias_corrections too.
+void decide_step(StepControl* control, const StepDecision& d, StepRecord* record, cudaStream_t stream = 0);
 // *result (device double) = (accumulate ? *result : 0) + sum of x^2; deterministic (fixed blocks).
 void sum_squares_device(double* result, const float* x, int64_t n, bool accumulate = false,
                         cudaStream_t stream = 0);
+// *dst += *src, one device double each (a sum the host would otherwise read back to add).
+void add_f64(double* dst, const double* src, cudaStream_t stream = 0);
 // Host convenience (as cpu::sum_squares): synchronizes `stream`.
 double sum_squares(const float* x, int64_t n, cudaStream_t stream = 0);
 template <typename E>

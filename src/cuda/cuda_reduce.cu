@@ -84,6 +84,15 @@ void sum_squares_device(double* result, const float* x, int64_t n, bool accumula
   NDT_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+__global__ void add_f64_kernel(double* dst, const double* src) { *dst += *src; }
+}  // namespace
+
+void add_f64(double* dst, const double* src, cudaStream_t stream) {
+  add_f64_kernel<<<1, 1, 0, stream>>>(dst, src);
+  NDT_CUDA_CHECK_LAUNCH();
+}
+
 double sum_squares(const float* x, int64_t n, cudaStream_t stream) {
   Scratch result(sizeof(double), stream);
   sum_squares_device(result.as<double>(), x, n, false, stream);

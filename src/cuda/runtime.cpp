@@ -238,6 +238,11 @@ void copy_h2d_async(void* dst, const PinnedBuffer& src, size_t bytes) {
   if (bytes) NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src.as<void>(), bytes, cudaMemcpyHostToDevice, stream()));
 }
 
+void copy_h2d_pinned(void* dst, const void* src, size_t bytes) {
+  NDT_CHECK(!capturing(), "a host-to-device copy of {} bytes inside a CUDA graph capture", bytes);
+  if (bytes) NDT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream()));
+}
+
 void copy_d2h_async(PinnedBuffer& dst, const void* src, size_t bytes) {
   if (bytes) NDT_CUDA_CHECK(cudaMemcpyAsync(dst.as<void>(), src, bytes, cudaMemcpyDeviceToHost, stream()));
 }
@@ -413,19 +418,45 @@ std::string profile_report() {
   return out;
 }
 
-// ---- interval clock ----
-IntervalClock::~IntervalClock() {
-  for (cudaEvent_t e : events_) cudaEventDestroy(e);  // no throw in a destructor
-}
-
-void IntervalClock::record() {
-  if (used_ == events_.size()) {
+// ---- interval clock, step clock ----
+namespace {
+// Records the next event of a reused pool on stream() (created the first time it is needed).
+void record_pooled(std::vector<cudaEvent_t>& events, size_t& used) {
+  if (used == events.size()) {
     cudaEvent_t e;
     NDT_CUDA_CHECK(cudaEventCreate(&e));
-    events_.push_back(e);
+    events.push_back(e);
   }
-  NDT_CUDA_CHECK(cudaEventRecord(events_[used_++], stream()));
+  NDT_CUDA_CHECK(cudaEventRecord(events[used++], stream()));
 }
+void destroy_pool(std::vector<cudaEvent_t>& events) {
+  for (cudaEvent_t e : events) cudaEventDestroy(e);  // no throw in a destructor
+}
+}  // namespace
+
+StepClock::~StepClock() { destroy_pool(events_); }
+
+void StepClock::mark() { record_pooled(events_, used_); }
+
+std::vector<double> StepClock::collect() {
+  std::vector<double> out;
+  if (used_ == 0) return out;
+  {
+    BlockingWait wait("device synchronize", 1);
+    NDT_CUDA_CHECK(cudaEventSynchronize(events_[used_ - 1]));
+  }
+  for (size_t i = 1; i < used_; ++i) {
+    float ms = 0;
+    NDT_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i - 1], events_[i]));
+    out.push_back(1e-3 * ms);
+  }
+  used_ = 0;
+  return out;
+}
+
+IntervalClock::~IntervalClock() { destroy_pool(events_); }
+
+void IntervalClock::record() { record_pooled(events_, used_); }
 
 void IntervalClock::start() {
   used_ = 0;

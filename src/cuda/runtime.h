@@ -103,6 +103,9 @@ class PinnedBuffer {
   void* ptr_ = nullptr;
 };
 void copy_h2d_async(void* dst, const PinnedBuffer& src, size_t bytes);
+// An asynchronous copy on stream() from page-locked memory (inside a PinnedBuffer, say): the source must stay
+// untouched until the stream has passed the copy.
+void copy_h2d_pinned(void* dst, const void* src, size_t bytes);
 void copy_d2h_async(PinnedBuffer& dst, const void* src, size_t bytes);
 
 // A point on stream(): record() marks the work enqueued so far, wait() blocks the host until that work is
@@ -175,6 +178,23 @@ class IntervalClock {
   void record();
   std::vector<cudaEvent_t> events_;  // reused across spans
   size_t used_ = 0;                  // events_[0] = start, then begin/end pairs
+};
+
+// Step boundaries on stream(): mark() records an event; collect() waits for the last one, returns the times
+// between consecutive marks in seconds (one fewer than the marks) and forgets the marks. Steps the host
+// launches ahead of the device are timed as the device ran them.
+class StepClock {
+ public:
+  StepClock() = default;
+  ~StepClock();
+  StepClock(const StepClock&) = delete;
+  StepClock& operator=(const StepClock&) = delete;
+  void mark();
+  std::vector<double> collect();
+
+ private:
+  std::vector<cudaEvent_t> events_;  // reused
+  size_t used_ = 0;
 };
 
 }  // namespace ndt::cuda

@@ -170,6 +170,7 @@ const std::vector<KeyDef>& schema() {
       bool_key("train.cuda_graphs", t(&T::cuda_graphs)),
       bool_key("train.tensorboard", t(&T::tensorboard)),
       str_key("train.nonfinite", {"stop", "skip"}, t(&T::nonfinite)),
+      str_key("train.host_sync", {"auto", "step", "log"}, t(&T::host_sync)),
       int_key("train.max_consecutive_skips", 1, kInf, t(&T::max_consecutive_skips)),
       float_key("train.collective_timeout_s", 0, kInf, t(&T::collective_timeout_s)),
 

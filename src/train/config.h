@@ -127,6 +127,12 @@ struct TrainConfig {
   // max_consecutive_skips skipped steps in a row (then an error).
   std::string nonfinite = "stop";
   int64_t max_consecutive_skips = 5;
+  // When the host waits for the device to learn a step's loss and gradient norm (train/deferred_steps.h):
+  // "step" after every step (the clip and skip decisions on the host), "log" at log steps, checkpoints,
+  // evaluations and the end (the decisions on the device, the steps' metrics read back then, the same
+  // numbers), "auto" = log on cuda, step on cpu. Steps with post-training losses, a second module, MoE
+  // layers, `ndtrain verify`'s gradient checks or tracing always wait every step.
+  std::string host_sync = "auto";
   // A blocking communication call (or a wait for the GPU) that has not returned after this many seconds ends
   // the job with a message naming the call, the rank and the step, NCCL communicators aborted
   // (dist/watchdog.h); 0 = no watchdog. Multi-rank runs and every GPU run.

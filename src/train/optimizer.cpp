@@ -249,6 +249,24 @@ int64_t Optimizer::first_nonfinite_grad() {
 }
 
 double Optimizer::reduce_grads() {
+  reduce_only();
+  grad_scale_ = 1.0f;
+  return std::sqrt(norm_sum_squares());
+}
+
+void Optimizer::reduce_grads_into(double* sum_squares) {
+  reduce_only();
+  grad_scale_ = 1.0f;
+  if (params_.device() == Device::CPU) {
+    *sum_squares = norm_sum_squares();
+    return;
+  }
+#ifdef NDT_HAVE_CUDA
+  norm_sum_squares_device(sum_squares);
+#endif
+}
+
+void Optimizer::reduce_only() {
   Tensor& flat = params_.flat_grads();
   const bool tp_active = active(c_.tp);
   for (auto& wait : early_waits_) wait();  // DP reductions started under backward (reduce_early)
@@ -305,24 +323,34 @@ double Optimizer::reduce_grads() {
   for (auto& wait : early_waits_) wait();  // the norm below reads the reduced gradients on the compute stream
   early_ranges_.clear();
   early_waits_.clear();
-  // Sum of squares per region (its shards and its EP peers differ); TP-replicated params count on TP rank 0.
+}
+
+std::vector<std::pair<int64_t, int64_t>> Optimizer::norm_runs(const Region& r) {
+  // TP-replicated params count on TP rank 0 only; adjacent ranges merged.
+  const bool tp_active = active(c_.tp);
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (auto& p : params_.all()) {
+    if (!p->count_in_norm || (p->tp_replicated && tp_active && c_.tp->rank() != 0)) continue;
+    const int64_t b = std::max(params_.offset_of(*p), r.own_begin);
+    const int64_t e = std::min(params_.offset_of(*p) + p->numel(), r.own_end);
+    if (b >= e) continue;
+    if (!runs.empty() && runs.back().second == b && params_.device() != Device::CPU)
+      runs.back().second = e;
+    else
+      runs.emplace_back(b, e);
+  }
+  return runs;
+}
+
+double Optimizer::norm_sum_squares() {
+  // Sum of squares per region (its shards and its EP peers differ).
   double ss = 0;
   for (Region& r : regions_) {
     double rss = 0;
     float* g = r.grad(params_);
-    std::vector<std::pair<int64_t, int64_t>> runs;  // counted ranges, adjacent ones merged (device path)
-    for (auto& p : params_.all()) {
-      if (!p->count_in_norm || (p->tp_replicated && tp_active && c_.tp->rank() != 0)) continue;
-      const int64_t b = std::max(params_.offset_of(*p), r.own_begin);
-      const int64_t e = std::min(params_.offset_of(*p) + p->numel(), r.own_end);
-      if (b >= e) continue;
-      if (params_.device() == Device::CPU) {
-        rss += cpu::sum_squares(g + (b - r.own_begin), e - b);
-      } else if (!runs.empty() && runs.back().second == b) {
-        runs.back().second = e;
-      } else {
-        runs.emplace_back(b, e);
-      }
+    const std::vector<std::pair<int64_t, int64_t>> runs = norm_runs(r);
+    if (params_.device() == Device::CPU) {
+      for (auto [b, e] : runs) rss += cpu::sum_squares(g + (b - r.own_begin), e - b);
     }
 #ifdef NDT_HAVE_CUDA
     if (params_.device() == Device::CUDA) {
@@ -338,11 +366,34 @@ double Optimizer::reduce_grads() {
     if (active(r.norm_extra)) r.norm_extra->all_reduce(&rss, 1, DType::F64, ReduceOp::Sum);
     ss += rss;
   }
-  if (tp_active) c_.tp->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
+  if (active(c_.tp)) c_.tp->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
   if (active(c_.norm_extra)) c_.norm_extra->all_reduce(&ss, 1, DType::F64, ReduceOp::Sum);
-  grad_scale_ = 1.0f;
-  return std::sqrt(ss);
+  return ss;
 }
+
+#ifdef NDT_HAVE_CUDA
+void Optimizer::norm_sum_squares_device(double* sum_squares) {
+  // norm_sum_squares' sums and reductions, in the same order, without the host: each region's sum in a
+  // device double, reduced over its groups on the device (the compute stream waits), added into the total.
+  Tensor region_ss = Tensor::zeros({static_cast<int64_t>(regions_.size())}, DType::F64, Device::CUDA);
+  auto reduce = [](Communicator* c, double* x) {
+    if (active(c)) c->all_reduce_async(x, 1, DType::F64, ReduceOp::Sum)->wait();
+  };
+  cuda::memset_zero(sum_squares, sizeof(double));
+  for (size_t i = 0; i < regions_.size(); ++i) {
+    Region& r = regions_[i];
+    double* rss = region_ss.data<double>() + i;
+    float* g = r.grad(params_);
+    for (auto [b, e] : norm_runs(r))
+      cuda::sum_squares_device(rss, g + (b - r.own_begin), e - b, /*accumulate=*/true, cuda::stream());
+    if (r.sharded()) reduce(r.dp, rss);
+    reduce(r.norm_extra, rss);
+    cuda::add_f64(sum_squares, rss, cuda::stream());
+  }
+  reduce(c_.tp, sum_squares);
+  reduce(c_.norm_extra, sum_squares);
+}
+#endif
 
 void Optimizer::clip_grads(double norm, double clip) {
   grad_scale_ = 1.0f;
@@ -355,6 +406,21 @@ void Optimizer::clip_grads(double norm, double clip) {
       grad_scale_ = static_cast<float>(clip / (norm + 1e-6));  // applied inside the AdamW kernel
     }
   }
+}
+
+void Optimizer::step_controlled(double lr, const StepControl* control) {
+  if (params_.device() == Device::CPU) {  // (host memory: read it as the per-step path would)
+    if (control->skip) return;
+    if (control->clipped)
+      for (Region& r : regions_)
+        cpu::scale_inplace(r.grad(params_), control->grad_scale, r.own_end - r.own_begin);
+    step_ = control->opt_steps - 1;
+    step(lr);
+    return;
+  }
+#ifdef NDT_HAVE_CUDA
+  step_device(lr, control);  // (step_ catches up with the device's count at set_steps_taken)
+#endif
 }
 
 void Optimizer::step(double lr) {
@@ -385,7 +451,7 @@ constexpr int kExchangePieces = 4;
 constexpr int64_t kPieceAlign = 64;  // piece bounds keep AdamW's 16-byte vector loads aligned
 }  // namespace
 
-void Optimizer::step_device(double lr) {
+void Optimizer::step_device(double lr, const StepControl* control) {
   // The previous step's deferred gathers read the owned values this update writes.
   params_.settle_values();
   // One fused launch per group of runs: a run is adjacent parameters with the same weight decay (within a
@@ -443,7 +509,7 @@ void Optimizer::step_device(double lr) {
       cuda::adamw_update_runs(runs_dev + g.first, g.n, g.chunks, static_cast<float>(lr),
                               static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2),
                               static_cast<float>(cfg_.adam_eps), static_cast<float>(cfg_.weight_decay), step_,
-                              grad_scale_, cuda::stream());
+                              grad_scale_, cuda::stream(), control);
     if (g.r->deferred() && g.hi > g.lo)
       exchanges.push_back(exchange_compute(*g.r, g.lo - g.r->own_begin, g.hi - g.lo));
   }

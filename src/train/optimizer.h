@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/step_control.h"
 #include "dist/communicator.h"
 #include "model/params.h"
 #include "train/config.h"
@@ -54,6 +55,9 @@ class Optimizer {
   // Steps 1-2 and the norm of step 3 (no clipping); returns the global gradient norm (the same on every
   // rank; NaN or Inf when any gradient is).
   double reduce_grads();
+  // reduce_grads without the host: the global sum of squared gradients (before the square root) lands in
+  // *sum_squares, memory of the store's device (host memory on the CPU), written in stream order.
+  void reduce_grads_into(double* sum_squares);
   // Clips to global norm `clip` (0 = off) given the norm reduce_grads() returned.
   void clip_grads(double norm, double clip);
   // Before reduce_grads: whether this rank's local (unreduced) gradients are all finite. CPU stores only
@@ -96,6 +100,10 @@ class Optimizer {
   void set_owner_reducer(OwnerReducer reduce) { owner_reducer_ = std::move(reduce); }
   // Step 4 with learning rate lr.
   void step(double lr);
+  // Step 4 as decided on the device (core/step_control.h, memory of the store's device): skipped where it
+  // says so, with its clip factor and step count. On the device the host's count (steps_taken) lags until
+  // set_steps_taken brings it level.
+  void step_controlled(double lr, const StepControl* control);
   int64_t steps_taken() const { return step_; }
   // Elements of the optimizer's own buffers: one AdamW moment (m and v are each this long) and the ZeRO-1
   // reduced-gradient shards (0 without ZeRO-1). The planner's memory model is checked against them.
@@ -150,6 +158,11 @@ class Optimizer {
   void all_gather_owned(Region& r);
   // Makes the compute stream wait for the deferred gathers of the values (the store's settle hook).
   void settle_gathers();
+  // reduce_grads' steps 1-2; then the global sum of squares (norm_sum_squares: on the host) over the ranges
+  // norm_runs lists for a region (parameters counted in the norm, TP-replicated ones on TP rank 0).
+  void reduce_only();
+  double norm_sum_squares();
+  std::vector<std::pair<int64_t, int64_t>> norm_runs(const Region& r);
 
   ParamStore& params_;
   TrainConfig cfg_;
@@ -164,7 +177,8 @@ class Optimizer {
   OwnerReducer owner_reducer_;
   std::vector<std::unique_ptr<CommHandle>> values_gathers_;  // deferred, in flight
 #ifdef NDT_HAVE_CUDA
-  void step_device(double lr);
+  void step_device(double lr, const StepControl* control = nullptr);
+  void norm_sum_squares_device(double* sum_squares);
   // A deferred region's bf16 compute copy: this rank's [off, off + count) of its owned part to every peer,
   // theirs from them (NCCL group of sends and receives, asynchronous).
   std::unique_ptr<CommHandle> exchange_compute(Region& r, int64_t off, int64_t count);

@@ -1,6 +1,7 @@
 #include "train/step_graph.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/check.h"
 
@@ -32,10 +33,54 @@ struct StepGraph::Inputs {
 
 #ifdef NDT_HAVE_CUDA
 
+// Slots of page-locked memory used in turn, one per step: a slot is written again only once the device has
+// copied the step that used it before (its event), so the host is at most kSlots steps ahead of the uploads.
+struct StepGraph::Staging {
+  static constexpr int kSlots = 3;
+  struct Slot {
+    std::unique_ptr<cuda::PinnedBuffer> buf;
+    size_t capacity = 0;
+    cuda::StreamEvent copied;
+    bool in_use = false;
+  };
+  Slot slots[kSlots];
+  int next = 0;
+  Slot* slot = nullptr;  // the step's, between begin() and end()
+  size_t used = 0;
+
+  void begin(size_t bytes) {
+    slot = &slots[next];
+    next = (next + 1) % kSlots;
+    if (slot->in_use) slot->copied.wait();
+    if (slot->capacity < bytes) {
+      slot->buf = std::make_unique<cuda::PinnedBuffer>(bytes);
+      slot->capacity = bytes;
+    }
+    used = 0;
+  }
+  void copy(void* dst, const void* src, size_t bytes) {
+    uint8_t* at = slot->buf->as<uint8_t>() + used;
+    std::memcpy(at, src, bytes);
+    cuda::copy_h2d_pinned(dst, at, bytes);
+    used += (bytes + 255) / 256 * 256;
+  }
+  void end() {
+    slot->copied.record();
+    slot->in_use = true;
+  }
+};
+
 std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs, float loss_scale) {
   bool moved = bufs_.size() != mbs.size();
   if (!scale_.defined()) scale_ = Tensor::empty({1}, DType::F32, Device::CUDA);
-  scale_.copy_from(Tensor::full({1}, loss_scale));
+  if (!staging_) staging_ = std::make_unique<Staging>();
+  const auto staged = [](const Tensor& t) { return t.defined() ? (t.nbytes() + 255) / 256 * 256 : 0; };
+  size_t bytes = 256;  // (the loss scale)
+  for (const Microbatch& mb : mbs)
+    bytes += staged(mb.tokens) + staged(mb.targets) + staged(mb.loss_mask) + staged(mb.positions) +
+             (seqlens_on_host_ ? 0 : staged(mb.cu_seqlens));
+  staging_->begin(bytes);
+  staging_->copy(scale_.data_ptr(), &loss_scale, sizeof(float));
   bufs_.resize(mbs.size());
   std::vector<Microbatch> dev;
   for (size_t i = 0; i < mbs.size(); ++i) {
@@ -47,7 +92,10 @@ std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs, fl
         buf = Tensor::empty(field.shape(), field.dtype(), Device::CUDA);
         moved = true;
       }
-      buf.view(field.shape()).copy_from(field);
+      if (field.device() == Device::CPU)
+        staging_->copy(buf.data_ptr(), field.data_ptr(), field.nbytes());
+      else
+        buf.view(field.shape()).copy_from(field);
       field = buf.view(field.shape());
     };
     Inputs& b = bufs_[i];
@@ -59,6 +107,7 @@ std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs, fl
     d.loss_scale = scale_;
     dev.push_back(std::move(d));
   }
+  staging_->end();
   if (moved) graph_.reset();
   return dev;
 }
@@ -101,6 +150,7 @@ bool StepGraph::run(const std::vector<Microbatch>& mbs, float loss_scale,
 namespace cuda {
 class Graph {};  // (no graphs without the CUDA backend)
 }  // namespace cuda
+struct StepGraph::Staging {};
 
 bool StepGraph::run(const std::vector<Microbatch>& mbs, float,
                     const std::function<void(const std::vector<Microbatch>&)>& work,

@@ -4,7 +4,9 @@
 // the same arguments, so the same values, without a host launch per kernel. What the host decides from the
 // microbatches forms the step's signature (step_signature); the inputs that change from step to step (token
 // ids, targets, loss mask, positions, and the loss scale 1 / loss-bearing tokens) are copied into fixed
-// device buffers before every run, eager or replayed, so a replay reads this step's data.
+// device buffers before every run, eager or replayed, so a replay reads this step's data. The copies go
+// through page-locked staging buffers, a few steps' worth in turn: the host waits only for a buffer the
+// device has not copied out of yet.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -53,11 +55,15 @@ class StepGraph {
 
  private:
   struct Inputs;
+  struct Staging;
   std::vector<Microbatch> upload(const std::vector<Microbatch>& mbs, float loss_scale);
 
   bool seqlens_on_host_;
   std::vector<Inputs> bufs_;  // one per microbatch slot
   Tensor scale_;              // (1) f32: the step's loss scale
+  // Page-locked copies of the inputs the device copies from asynchronously, so that the host may run ahead
+  // of the device (train.host_sync = log) without waiting for each upload.
+  std::unique_ptr<Staging> staging_;
   std::unique_ptr<cuda::Graph> graph_;
   std::vector<int64_t> graph_sig_, prev_sig_;
   std::vector<std::vector<int64_t>> failed_;

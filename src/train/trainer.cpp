@@ -160,6 +160,9 @@ Trainer::Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const 
     graph_ = std::make_unique<StepGraph>(/*seqlens_on_host=*/cudnn);
   }
 #endif
+  const std::string& sync = cfg_.train.host_sync;
+  if (sync == "log" || (sync == "auto" && cfg_.train.device == "cuda"))
+    deferred_ = std::make_unique<DeferredSteps>(engine_->params().device(), cfg_.train);
 }
 
 Tensor Trainer::grads_window_buffer() {
@@ -357,10 +360,26 @@ std::vector<Microbatch> Trainer::microbatches(const std::vector<Sample>& samples
 }
 
 StepStats Trainer::train_step(int64_t step) {
+  launch_step(step);
+  const std::string error = collect_steps();
+  if (!error.empty()) throw AgreedError(error);
+  NDT_CHECK(!ready_.empty(), "step {}: no statistics", step);
+  StepStats st = ready_.back();
+  ready_.clear();
+  return st;
+}
+
+void Trainer::launch_step(int64_t step) {
   apply_process_faults(faults_, step, c_.world->rank(),
                        cfg_.train.device == "cuda");  // (reliability tests; none unless configured)
   const auto t0 = std::chrono::steady_clock::now();
-  return step_on(step, local_microbatches(step), nullptr, t0);
+  StepStats st = step_on(step, local_microbatches(step), nullptr, t0);
+  if (pending_.empty() || pending_.back().step != step) ready_.push_back(std::move(st));
+}
+
+bool Trainer::defers(const TokenLoss* token_loss, bool tracing, bool profiling) const {
+  return deferred_ && !token_loss && !companion_ && !grads_hook_ && !tracing && !profiling &&
+         engine_->moe_layers().empty();
 }
 
 StepStats Trainer::train_step_on(int64_t step, const std::vector<Microbatch>& mbs, TokenLoss& loss) {
@@ -406,6 +425,12 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
 #ifdef NDT_HAVE_CUDA
   profiling = cuda::profiling_enabled();
 #endif
+  const bool defer = defers(token_loss, tracing, profiling);
+  if (!defer && !pending_.empty()) {  // (a step that waits: the ones in flight first)
+    const std::string error = collect_steps();
+    if (!error.empty()) throw AgreedError(error);
+  }
+  if (defer) deferred_->begin_step(opt_->steps_taken(), consecutive_skips_);
   const double t0_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
   // A replayed step zeroes the gradients inside its graph.
@@ -453,10 +478,15 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
     engine_->params().all().front()->grad.view_at(0, {1}).copy_from(Tensor::full({1}, *v));
   }
   phase_mark(engine_->params().device(), "grad reduce, norm");
-  const std::optional<bool> local_grads_finite = opt_->local_grads_finite();
   StepStats st;
   st.step = step;
   st.tokens = n_tokens;
+  st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);
+  if (defer) {
+    finish_on_device(std::move(st));
+    return pending_.back();
+  }
+  const std::optional<bool> local_grads_finite = opt_->local_grads_finite();
   st.grad_norm = opt_->reduce_grads();
   // Both modules' gradients are reduced only now, after phase 3, and clipped by their joint norm.
   if (companion_) st.grad_norm = std::hypot(st.grad_norm, companion_->reduce_grads());
@@ -468,7 +498,6 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   c_.grad->all_reduce(&loss_sum, 1, DType::F64, ReduceOp::Sum);  // each CP rank holds its shard's part
   st.loss = token_loss ? loss_sum : loss_sum / static_cast<double>(n_tokens);  // token losses normalise
   if (grads_hook_) grads_hook_(step);
-  st.lr = lr_at(step, cfg_.train.steps, cfg_.train.warmup_steps, cfg_.train.lr, cfg_.train.min_lr);
   // Non-finite loss or gradients: the same decision on every rank of the world (docs/reliability.md).
   if (const std::string bad = check_nonfinite(local_loss, st.loss, st.grad_norm, local_grads_finite);
       !bad.empty()) {
@@ -503,17 +532,38 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   if (const auto moe = engine_->moe_layers(); !moe.empty())
     st.moe = finish_moe_step(cfg_, moe, *c_.grad, *c_.tp, *c_.pp, /*update_bias=*/!st.skipped);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-#ifdef NDT_HAVE_CUDA
-  if (engine_->params().device() == Device::CUDA) {
-    // Every rank fills its own slot; a sum over the world gathers them (host buffers: over MPI).
-    st.peak_mem_gib_per_rank.assign(static_cast<size_t>(c_.world->size()), 0.0);
-    st.peak_mem_gib_per_rank[static_cast<size_t>(c_.world->rank())] = cuda::memory_stats().peak_allocated_gib;
-    c_.world->all_reduce(st.peak_mem_gib_per_rank.data(), c_.world->size(), DType::F64, ReduceOp::Sum);
-    st.peak_mem_gib = *std::max_element(st.peak_mem_gib_per_rank.begin(), st.peak_mem_gib_per_rank.end());
-  }
-#endif
+  note_peak_memory(st);
+  gather_peak_memory({&st});
   history_.push_back(st);
   return st;
+}
+
+void Trainer::note_peak_memory(StepStats& st) const {
+#ifdef NDT_HAVE_CUDA
+  if (engine_->params().device() == Device::CUDA) {
+    st.peak_mem_gib_per_rank.assign(static_cast<size_t>(c_.world->size()), 0.0);
+    st.peak_mem_gib_per_rank[static_cast<size_t>(c_.world->rank())] = cuda::memory_stats().peak_allocated_gib;
+  }
+#endif
+}
+
+void Trainer::gather_peak_memory(const std::vector<StepStats*>& steps) {
+  // Every rank fills its own slots; one sum over the world gathers them (host buffers: over MPI).
+  const size_t n = static_cast<size_t>(c_.world->size());
+  std::vector<double> all;
+  for (StepStats* st : steps)
+    if (st->peak_mem_gib_per_rank.size() == n)
+      all.insert(all.end(), st->peak_mem_gib_per_rank.begin(), st->peak_mem_gib_per_rank.end());
+  if (all.empty()) return;
+  c_.world->all_reduce(all.data(), static_cast<int64_t>(all.size()), DType::F64, ReduceOp::Sum);
+  size_t at = 0;
+  for (StepStats* st : steps) {
+    if (st->peak_mem_gib_per_rank.size() != n) continue;
+    std::copy(all.begin() + static_cast<std::ptrdiff_t>(at),
+              all.begin() + static_cast<std::ptrdiff_t>(at + n), st->peak_mem_gib_per_rank.begin());
+    at += n;
+    st->peak_mem_gib = *std::max_element(st->peak_mem_gib_per_rank.begin(), st->peak_mem_gib_per_rank.end());
+  }
 }
 
 void Trainer::report_graph(int64_t step) {

@@ -19,6 +19,7 @@
 #include "parallel/pp/pipeline.h"
 #include "train/companion.h"
 #include "train/config.h"
+#include "train/deferred_steps.h"
 #include "train/fault.h"
 #include "train/logprobs.h"
 #include "train/moe_metrics.h"
@@ -69,7 +70,8 @@ struct EvalStats {
 class Trainer {
  public:
   Trainer(const Config& cfg, RunComms comms, const Tokenizer& tok, const Dataset& train, const Dataset* val);
-  // One optimizer step; collective over all ranks.
+  // One optimizer step; collective over all ranks. Returns once the step's loss and norm are known (steps
+  // whose end is decided on the device, train.host_sync, are waited for).
   StepStats train_step(int64_t step);
   // One optimizer step on this DP rank's microbatches (full, not CP-sharded; see microbatches()) under a
   // token loss, which normalises itself (post-training). Collective over all ranks.
@@ -137,6 +139,20 @@ class Trainer {
   std::vector<Microbatch> local_microbatches(int64_t step) const;
   StepStats step_on(int64_t step, const std::vector<Microbatch>& mbs, TokenLoss* token_loss,
                     std::chrono::steady_clock::time_point t0);
+  // train_step without the wait: a step decided on the device is left in flight (pending_).
+  void launch_step(int64_t step);
+  // Whether a step (with these conditions) is decided on the device (train.host_sync).
+  bool defers(const TokenLoss* token_loss, bool tracing, bool profiling) const;
+  // The reductions, decision and update of a deferred step (after its forward and backward).
+  void finish_on_device(StepStats st);
+  // Waits for the steps in flight and appends them, complete, to ready_ (collective over the world: their
+  // peak memory). Returns the error a step ended the run with (train.nonfinite), the same on every rank;
+  // the steps before it are in ready_.
+  std::string collect_steps();
+  // This rank's peak device memory into st (CUDA; its slot of peak_mem_gib_per_rank), and every rank's for
+  // `steps` gathered in one sum over the world (collective where the steps hold slots).
+  void note_peak_memory(StepStats& st) const;
+  void gather_peak_memory(const std::vector<StepStats*>& steps);
   // Padding rules of this layout's packed microbatches (2·cp per sequence, tp·2·cp per stream under SP).
   PackLayout pack_layout_() const;
   // Rows per forward: train.micro_batch, or this rank's whole share of the batch when it is 0 (training
@@ -199,6 +215,9 @@ class Trainer {
   std::unique_ptr<GatheredEmbeddingGrad> embedding_grad_;  // DP: the table's gradient gathered (else null)
   std::string graph_failure_told_;                         // the capture failure already printed
   int64_t skipped_steps_ = 0, consecutive_skips_ = 0;
+  std::unique_ptr<DeferredSteps> deferred_;  // train.host_sync resolved to log (else null)
+  std::vector<StepStats> pending_;           // steps in flight: all but the loss, norm, time and skip
+  std::vector<StepStats> ready_;             // complete steps not yet taken (run(), train_step)
   // The flat grads' NCCL registration: released first (members go in reverse order), while the
   // communicators (outside the trainer) and the store (engine_) still exist.
   std::shared_ptr<void> grads_registration_;

@@ -184,13 +184,83 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
 
   const auto start = std::chrono::steady_clock::now();
   const double tokens_per_step = static_cast<double>(tc.global_batch * cfg_.data.seq_len);
+  // Logs a complete step; `elapsed` is the run's wall time when it ended.
+  auto log_step = [&](const StepStats& st, double elapsed) {
+    if (on_step) on_step(st);
+    if (!logger) return;
+    train_curve.emplace_back(st.step, st.loss);
+    nlohmann::json rec = {{"type", "train"},
+                          {"step", st.step},
+                          {"loss", st.loss},
+                          {"lr", st.lr},
+                          {"grad_norm", st.grad_norm},
+                          {"loss_tokens", st.tokens},
+                          {"step_seconds", st.seconds},
+                          {"peak_mem_gib", st.peak_mem_gib},
+                          {"elapsed_seconds", elapsed},
+                          {"skipped", st.skipped},
+                          {"skipped_steps", st.skipped_steps}};
+    if (!st.peak_mem_gib_per_rank.empty()) rec["peak_mem_gib_per_rank"] = st.peak_mem_gib_per_rank;
+    if (st.moe.active) {
+      rec["moe_aux_loss"] = st.moe.aux_loss;
+      rec["moe_z_loss"] = st.moe.z_loss;
+      rec["expert_load_max_over_mean"] = st.moe.load_ratio;
+      rec["moe_dropped_fraction"] = st.moe.dropped;
+      nlohmann::json per_layer;
+      for (size_t i = 0; i < st.moe.layers.size(); ++i)
+        per_layer[std::to_string(st.moe.layers[i])] = st.moe.load[i];
+      rec["expert_load"] = per_layer;
+      load_layers = st.moe.layers;
+      load_steps.push_back(st.step);
+      loads.resize(st.moe.load.size());
+      for (size_t i = 0; i < st.moe.load.size(); ++i) loads[i].push_back(st.moe.load[i]);
+    }
+    metrics->write(rec).throw_if_error();
+    if (st.step % tc.log_every == 0 || st.step == tc.steps - 1) {
+      const double done = static_cast<double>(st.step + 1 - start_step_);
+      const double tps = tokens_per_step * done / elapsed;
+      const double eta = elapsed / done * static_cast<double>(tc.steps - st.step - 1);
+      std::string mem = st.peak_mem_gib > 0 ? fmt::format(" | mem {:.2f} GiB", st.peak_mem_gib) : "";
+      if (st.moe.active)
+        mem += fmt::format(" | aux {:.4f} z {:.4f} | load max/mean {:.2f}", st.moe.aux_loss, st.moe.z_loss,
+                           st.moe.load_ratio);
+      std::printf(
+          "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | step %.1f ms%s | elapsed %s "
+          "| "
+          "eta %s\n",
+          static_cast<long long>(st.step), static_cast<long long>(tc.steps), st.loss, st.lr, st.grad_norm,
+          format_count(tps).c_str(), st.seconds * 1e3, mem.c_str(), format_duration(elapsed).c_str(),
+          format_duration(eta).c_str());
+      std::fflush(stdout);
+    }
+  };
+  // Waits for the steps in flight (train.host_sync = log) and logs every complete step; each one's end in
+  // wall time counts back from now by the times of the steps after it.
+  auto collect = [&] {
+    const std::string error = collect_steps();
+    const double now = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::vector<double> ends(ready_.size());
+    double later = 0;
+    for (size_t i = ready_.size(); i-- > 0;) {
+      ends[i] = now - later;
+      later += ready_[i].seconds;
+    }
+    for (size_t i = 0; i < ready_.size(); ++i) log_step(ready_[i], ends[i]);
+    ready_.clear();
+    if (!error.empty()) throw AgreedError(error);
+  };
   int64_t step = start_step_;
   for (; step < tc.steps; ++step) {
 #ifdef NDT_HAVE_CUDA
     if (cuda::profiling_enabled()) cuda::mark("other");
 #endif
-    StepStats st = train_step(step);
-    if (on_step) on_step(st);
+    launch_step(step);
+    const bool checkpoint_due =
+        tc.checkpoint_every > 0 && (step + 1) % tc.checkpoint_every == 0 && step + 1 < tc.steps;
+    const bool eval_due = tc.eval_every > 0 && step > 0 && step % tc.eval_every == 0 && step != tc.steps - 1;
+    if (pending_.empty() || step % tc.log_every == 0 || step == tc.steps - 1 || checkpoint_due || eval_due ||
+        deferred_->full())
+      collect();
 #ifdef NDT_HAVE_CUDA
     // NDT_CUDA_PROFILE=1: the GPU time between the phase marks of this step (cuda/runtime.h), rank 0.
     if (cuda::profiling_enabled()) {
@@ -200,56 +270,8 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
     }
 #endif
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (logger) {
-      train_curve.emplace_back(step, st.loss);
-      nlohmann::json rec = {{"type", "train"},
-                            {"step", step},
-                            {"loss", st.loss},
-                            {"lr", st.lr},
-                            {"grad_norm", st.grad_norm},
-                            {"loss_tokens", st.tokens},
-                            {"step_seconds", st.seconds},
-                            {"peak_mem_gib", st.peak_mem_gib},
-                            {"elapsed_seconds", elapsed},
-                            {"skipped", st.skipped},
-                            {"skipped_steps", st.skipped_steps}};
-      if (!st.peak_mem_gib_per_rank.empty()) rec["peak_mem_gib_per_rank"] = st.peak_mem_gib_per_rank;
-      if (st.moe.active) {
-        rec["moe_aux_loss"] = st.moe.aux_loss;
-        rec["moe_z_loss"] = st.moe.z_loss;
-        rec["expert_load_max_over_mean"] = st.moe.load_ratio;
-        rec["moe_dropped_fraction"] = st.moe.dropped;
-        nlohmann::json per_layer;
-        for (size_t i = 0; i < st.moe.layers.size(); ++i)
-          per_layer[std::to_string(st.moe.layers[i])] = st.moe.load[i];
-        rec["expert_load"] = per_layer;
-        load_layers = st.moe.layers;
-        load_steps.push_back(step);
-        loads.resize(st.moe.load.size());
-        for (size_t i = 0; i < st.moe.load.size(); ++i) loads[i].push_back(st.moe.load[i]);
-      }
-      metrics->write(rec).throw_if_error();
-      if (step % tc.log_every == 0 || step == tc.steps - 1) {
-        const double done = static_cast<double>(step + 1 - start_step_);
-        const double tps = tokens_per_step * done / elapsed;
-        const double eta = elapsed / done * static_cast<double>(tc.steps - step - 1);
-        std::string mem = st.peak_mem_gib > 0 ? fmt::format(" | mem {:.2f} GiB", st.peak_mem_gib) : "";
-        if (st.moe.active)
-          mem += fmt::format(" | aux {:.4f} z {:.4f} | load max/mean {:.2f}", st.moe.aux_loss, st.moe.z_loss,
-                             st.moe.load_ratio);
-        std::printf(
-            "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | step %.1f ms%s | elapsed %s "
-            "| "
-            "eta %s\n",
-            static_cast<long long>(step), static_cast<long long>(tc.steps), st.loss, st.lr, st.grad_norm,
-            format_count(tps).c_str(), st.seconds * 1e3, mem.c_str(), format_duration(elapsed).c_str(),
-            format_duration(eta).c_str());
-        std::fflush(stdout);
-      }
-    }
-    if (tc.checkpoint_every > 0 && (step + 1) % tc.checkpoint_every == 0 && step + 1 < tc.steps)
-      save_checkpoint(step + 1);
-    if (tc.eval_every > 0 && step > 0 && step % tc.eval_every == 0 && step != tc.steps - 1) log_eval(step);
+    if (checkpoint_due) save_checkpoint(step + 1);
+    if (eval_due) log_eval(step);
     // The time limit is decided on rank 0 and broadcast, so every rank stops at the same step.
     int32_t stop = tc.max_seconds > 0 && elapsed > static_cast<double>(tc.max_seconds);
     c_.world->broadcast(&stop, 1, DType::I32, 0);
@@ -261,6 +283,7 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
       break;
     }
   }
+  collect();  // (steps in flight when train.max_seconds stopped the run)
   // The final checkpoint must land: a failed one ends the run with an error (the previous one stays valid).
   if (tc.checkpoint_every > 0 && !save_checkpoint(step))
     throw AgreedError(fmt::format("the final checkpoint (step {}) could not be saved", step));

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <type_traits>
 #include <vector>
@@ -811,6 +812,95 @@ TEST(CudaOpsOptim, AdamwRunsEqualOneLaunchPerRun) {
   EXPECT_EQ(v2.get(), v1.get());
   EXPECT_EQ(c2.get(), c1.get());
   NDT_CUDA_CHECK(cudaFree(dev_runs));
+}
+
+// The step decided on the device (core/step_control.h): the one-thread kernel against the same function on
+// the host, field for field and bit for bit, over finite, clipped, non-finite and stopping steps; then AdamW
+// reading its scalars from the control block against the host's step and clip factor (bit for bit), and
+// changing nothing where the control says skip.
+TEST(CudaOpsOptim, DecideStepKernelEqualsHost) {
+  NDT_REQUIRE_GPU();
+  std::vector<double> bc(2 * 16, 0.0);
+  for (int k = 1; k < 16; ++k) {
+    bc[2 * k] = 1.0 - std::pow(static_cast<double>(0.9f), 3.0 + k);
+    bc[2 * k + 1] = 1.0 - std::pow(static_cast<double>(0.95f), 3.0 + k);
+  }
+  double* dbc = nullptr;
+  NDT_CUDA_CHECK(cudaMalloc(&dbc, bc.size() * sizeof(double)));
+  NDT_CUDA_CHECK(cudaMemcpy(dbc, bc.data(), bc.size() * sizeof(double), cudaMemcpyHostToDevice));
+  ndt::StepDecision d;
+  d.lr = 2.5e-3f;
+  d.clip = 1.0;
+  d.base = 3;
+  d.max_consecutive = 2;
+  ndt::StepControl host;
+  host.opt_steps = 3;
+  ndt::StepControl* dev_control = nullptr;
+  ndt::StepRecord* dev_record = nullptr;
+  NDT_CUDA_CHECK(cudaMalloc(&dev_control, sizeof(ndt::StepControl)));
+  NDT_CUDA_CHECK(cudaMalloc(&dev_record, sizeof(ndt::StepRecord)));
+  NDT_CUDA_CHECK(cudaMemcpy(dev_control, &host, sizeof(host), cudaMemcpyHostToDevice));
+  const double squares[] = {0.37, 17.25, 1.0, NAN, 4.0e-3, INFINITY, 2.0, 9.0};
+  const double losses[] = {3.5, 2.25, 1.0, 1.0, NAN, 1.0, 1.0, 1.0};
+  for (int i = 0; i < 8; ++i) {
+    host.sum_squares = squares[i];
+    host.loss_sum = losses[i];
+    NDT_CUDA_CHECK(cudaMemcpy(dev_control, &host, 2 * sizeof(double), cudaMemcpyHostToDevice));
+    ndt::StepRecord want, got;
+    ndt::StepDecision dd = d;
+    dd.bias_corrections = dbc;
+    ndt::cuda::decide_step(dev_control, dd, dev_record);
+    dd.bias_corrections = bc.data();
+    ndt::decide_step(host, dd, want);
+    ndt::StepControl got_control;
+    NDT_CUDA_CHECK(cudaMemcpy(&got, dev_record, sizeof(got), cudaMemcpyDeviceToHost));
+    NDT_CUDA_CHECK(cudaMemcpy(&got_control, dev_control, sizeof(got_control), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::memcmp(&got, &want, sizeof(got)), 0) << i;
+    EXPECT_EQ(std::memcmp(&got_control, &host, sizeof(host)), 0) << i;
+  }
+  EXPECT_EQ(host.stopped, 1);  // steps 3 and 4 non-finite in a row (the limit 2), so step 5 on skips
+  EXPECT_EQ(host.opt_steps, 6);
+
+  // AdamW under a control block of a finite, clipped step 4 against the host's scalars.
+  const int64_t n = 2 * ndt::cuda::kAdamwChunk + 333;
+  const Vec p = randv(n, 70), g = randv(n, 71, 0.001f, 0.1f), m = randv(n, 72, 0.001f, 0.01f);
+  Vec v = randv(n, 73, 0.0001f, 0.001f);
+  for (auto& x : v) x = std::abs(x);
+  ndt::StepControl c;
+  c.opt_steps = 3;
+  c.sum_squares = 6.25;  // norm 2.5: clipped
+  c.loss_sum = 1.0;
+  ndt::StepRecord r;
+  d.bias_corrections = bc.data();
+  ndt::decide_step(c, d, r);
+  ASSERT_EQ(c.skip, 0);
+  ASSERT_EQ(c.clipped, 1);
+  Dev<float> p1(p), g1(g), m1(m), v1(v), p2(p), g2(g), m2(m), v2(v);
+  std::vector<ndt::cuda::AdamwRun> runs1 = {{p1.p, g1.p, m1.p, v1.p, nullptr, n, 0, 1, 0}};
+  std::vector<ndt::cuda::AdamwRun> runs2 = {{p2.p, g2.p, m2.p, v2.p, nullptr, n, 0, 1, 0}};
+  const int64_t chunks = ndt::cuda::adamw_plan_runs(runs1.data(), 1);
+  ndt::cuda::adamw_plan_runs(runs2.data(), 1);
+  ndt::cuda::AdamwRun* dev_runs = nullptr;
+  NDT_CUDA_CHECK(cudaMalloc(&dev_runs, 2 * sizeof(ndt::cuda::AdamwRun)));
+  NDT_CUDA_CHECK(cudaMemcpy(dev_runs, runs1.data(), sizeof(ndt::cuda::AdamwRun), cudaMemcpyHostToDevice));
+  NDT_CUDA_CHECK(cudaMemcpy(dev_runs + 1, runs2.data(), sizeof(ndt::cuda::AdamwRun), cudaMemcpyHostToDevice));
+  ndt::cuda::adamw_update_runs(dev_runs, 1, chunks, d.lr, 0.9f, 0.95f, 1e-8f, 0.1f, 4, c.grad_scale);
+  NDT_CUDA_CHECK(cudaMemcpy(dev_control, &c, sizeof(c), cudaMemcpyHostToDevice));
+  ndt::cuda::adamw_update_runs(dev_runs + 1, 1, chunks, d.lr, 0.9f, 0.95f, 1e-8f, 0.1f, 0, 1.0f, 0,
+                               dev_control);
+  EXPECT_EQ(p2.get(), p1.get());
+  EXPECT_EQ(m2.get(), m1.get());
+  EXPECT_EQ(v2.get(), v1.get());
+  c.skip = 1;  // a skipped step: nothing changes
+  NDT_CUDA_CHECK(cudaMemcpy(dev_control, &c, sizeof(c), cudaMemcpyHostToDevice));
+  ndt::cuda::adamw_update_runs(dev_runs + 1, 1, chunks, d.lr, 0.9f, 0.95f, 1e-8f, 0.1f, 0, 1.0f, 0,
+                               dev_control);
+  EXPECT_EQ(p2.get(), p1.get());
+  EXPECT_EQ(m2.get(), m1.get());
+  NDT_CUDA_CHECK(cudaFree(dev_runs));
+  NDT_CUDA_CHECK(cudaFree(dev_control));
+  NDT_CUDA_CHECK(cudaFree(dev_record));
+  NDT_CUDA_CHECK(cudaFree(dbc));
 }
 
 TEST(CudaOpsOptim, AdamwSumSquaresCast) {

@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "../temp_dir.h"
 #include "cuda/cudnn_attention.h"
 #include "cuda/runtime.h"
 #include "data/make_dataset.h"
@@ -129,6 +130,48 @@ TEST_P(GpuTrain, GraphReplayGivesEagerBits) {
   EXPECT_EQ(graphed.losses, eager.losses);
   EXPECT_TRUE(graphed.weights == eager.weights);
   EXPECT_NE(graphed.losses[3], graphed.losses[4]);
+}
+
+// train.host_sync = log (the default on cuda: each step's end decided on the device, the steps read back
+// every log step, the host running ahead) against host_sync = step, fp32 (bit-reproducible), graphs on: every
+// step's loss, norm and skip flag and the final weights bit for bit, with clipping and a skipped NaN step
+// inside a batch of steps in flight.
+TEST(GpuHostSync, LogRunGivesStepRunBits) {
+  NDT_REQUIRE_GPU();
+  ndt::testing::TempDir dir;
+  struct Out {
+    std::vector<StepStats> steps;
+    std::vector<float> weights;
+    int64_t opt_steps = 0;
+  };
+  auto run = [&](const std::string& sync) {
+    const Config cfg = small_config(
+        "llama", {"train.device=cuda", "train.precision=fp32", "train.steps=9", "train.log_every=4",
+                  "train.grad_clip=0.5", "train.nonfinite=skip", "debug.fault=nan_grad@step=5",
+                  "train.eval_samples=2", "train.host_sync=" + sync, "train.out_dir=" + dir.file(sync)});
+    auto tok = make_tokenizer("byte").value();
+    auto data = make_dataset(cfg.data, *tok, false).value();
+    Trainer t(cfg, RunComms{}, *tok, *data, nullptr);
+    Out o;
+    t.run([&](const StepStats& st) { o.steps.push_back(st); });
+    o.weights = t.params().flat_values().to_vector<float>();
+    o.opt_steps = t.optimizer().steps_taken();
+    return o;
+  };
+  const Out a = run("step"), b = run("log");
+  ASSERT_EQ(a.steps.size(), 9u);
+  ASSERT_EQ(b.steps.size(), 9u);
+  for (size_t i = 0; i < 9; ++i) {
+    EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << i;
+    if (i != 5) EXPECT_EQ(a.steps[i].grad_norm, b.steps[i].grad_norm) << i;
+    EXPECT_EQ(a.steps[i].skipped, b.steps[i].skipped) << i;
+    EXPECT_GT(b.steps[i].seconds, 0.0) << i;
+  }
+  EXPECT_TRUE(b.steps[5].skipped);
+  EXPECT_TRUE(std::isnan(b.steps[5].grad_norm));
+  EXPECT_TRUE(a.weights == b.weights);
+  EXPECT_EQ(a.opt_steps, 8);
+  EXPECT_EQ(b.opt_steps, 8);
 }
 
 // bf16 runs cuDNN's fused attention inside the graph; its backward sums dQ with atomics, so the runs agree

@@ -74,6 +74,8 @@ class PipelineEngine {
   // token_loss); waits for the device. Read late (after the gradient norm), it costs no extra wait. Read
   // once per train().
   double take_loss();
+  // The same sum where it lies (an F64 scalar on the store's device; undefined before the first train()).
+  const Tensor& loss_sum_tensor() const { return loss_acc_; }
   // After train(): sums the tied embedding's gradient between the first and last stage.
   void sync_tied_grads();
 

@@ -1,0 +1,37 @@
+cmake_minimum_required(VERSION 3.25)
+# train.host_sync = log (the end of each step decided on the device, the steps read back every log step)
+# against host_sync = step on one layout: the final weights byte for byte, and every step's loss, gradient
+# norm and skip flag in metrics.jsonl.
+# Usage: cmake -DNDTRAIN=bin -DMPIRUN="a|b|..." -DNP=n -DARGS="train|...|--set|k=v..." -DDIR=dir
+#              -P host_sync_same.cmake
+string(REPLACE "|" ";" mpirun "${MPIRUN}")
+string(REPLACE "|" ";" args "${ARGS}")
+file(REMOVE_RECURSE ${DIR})
+foreach(mode step log)
+  execute_process(COMMAND ${mpirun} -np ${NP} ${NDTRAIN} ${args} train.host_sync=${mode} train.out_dir=${DIR}/${mode}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "host_sync=${mode} run failed (${rc}):\n${out}\n${err}")
+  endif()
+endforeach()
+execute_process(COMMAND ${CMAKE_COMMAND} -E compare_files ${DIR}/step/model.safetensors ${DIR}/log/model.safetensors
+                RESULT_VARIABLE diff)
+if(NOT diff EQUAL 0)
+  message(FATAL_ERROR "the final weights differ between host_sync=step and host_sync=log")
+endif()
+foreach(mode step log)
+  file(STRINGS ${DIR}/${mode}/metrics.jsonl lines REGEX "\"type\":\"train\"")
+  set(rows_${mode} "")
+  foreach(line IN LISTS lines)
+    string(JSON step GET "${line}" step)
+    string(JSON loss GET "${line}" loss)
+    string(JSON norm GET "${line}" grad_norm)
+    string(JSON skipped GET "${line}" skipped)
+    list(APPEND rows_${mode} "${step}:${loss}:${norm}:${skipped}")
+  endforeach()
+endforeach()
+list(LENGTH rows_step n)
+if(n EQUAL 0 OR NOT rows_step STREQUAL rows_log)
+  message(FATAL_ERROR "metrics differ:\nstep: ${rows_step}\nlog:  ${rows_log}")
+endif()
+message(STATUS "host_sync: ${n} steps, the same weights and metrics")
