@@ -4,6 +4,7 @@
 // take every branch of the deferred path but the kernels (tests/cuda: GpuHostSync, DecideStepKernel).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -206,6 +207,32 @@ TEST(HostSync, StopLeavesTheStateOfTheStepBefore) {
   EXPECT_NE(b.error.find("non-finite values at step 6 (train.nonfinite = stop): non-finite gradient norm"),
             std::string::npos)
       << b.error;
+}
+
+// The order of run()'s callbacks: with host_sync = log the steps arrive in batches at log steps (step 1 once
+// steps 2 and 3 have started, step 5 once step 7 has); wait_after_steps(2) makes the run wait after step 2 (a
+// kernel trace's window edge).
+TEST(HostSync, StepsArriveInBatchesUnlessWaitedFor) {
+  testing::TempDir dir;
+  for (const bool wait : {false, true}) {
+    const Config cfg = tiny({"train.host_sync=log", "train.out_dir=" + dir.file(wait ? "wait" : "batch")});
+    auto tok = make_tokenizer("byte").value();
+    auto data = make_dataset(cfg.data, *tok, false).value();
+    Trainer t(cfg, RunComms{}, *tok, *data, nullptr);
+    if (wait) t.wait_after_steps({2});
+    std::vector<std::string> events;
+    t.run([&](const StepStats& st) { events.push_back("done " + std::to_string(st.step)); },
+          [&](int64_t step) { events.push_back("start " + std::to_string(step)); });
+    const auto at = [&](const std::string& e) {
+      return std::find(events.begin(), events.end(), e) - events.begin();
+    };
+    EXPECT_LT(at("done 0"), at("start 1"));  // a log step (0, 4, 8) and the last are waited for
+    EXPECT_GT(at("done 1"), at("start 2"));  // step 1 is in flight while step 2 starts
+    EXPECT_GT(at("done 5"), at("start 7"));
+    EXPECT_LT(at("done 4"), at("start 5"));
+    EXPECT_EQ(at("done 2") < at("start 3"), wait);
+    EXPECT_EQ(events.size(), 20u);
+  }
 }
 
 TEST(HostSync, ResumesWithTheDevicesStepCount) {

@@ -89,10 +89,14 @@ Runner add_train(CLI::App& app) {
     if (watchdog) watchdog->set_step(trainer.start_step());
     const auto ktrace =
         KernelTraceWindow::create(*kernel_trace, *kernel_trace_steps, s.cfg, world, trainer.start_step());
-    trainer.run([&](const StepStats& st) {
-      if (watchdog) watchdog->set_step(st.step + 1);
-      if (ktrace) ktrace->after_step(st.step);
-    });
+    if (ktrace) trainer.wait_after_steps(ktrace->edges());
+    trainer.run(
+        [&](const StepStats& st) {
+          if (ktrace) ktrace->after_step(st.step);
+        },
+        [&](int64_t step) {
+          if (watchdog) watchdog->set_step(step);
+        });
     return 0;
   };
 }

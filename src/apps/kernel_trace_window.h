@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dist/communicator.h"
 #include "train/config.h"
@@ -20,6 +21,9 @@ class KernelTraceWindow {
                                                    int64_t start_step);
   // Called after each training step with its index.
   void after_step(int64_t step);
+  // The steps after which the device must have finished before the next one starts (the window's edges:
+  // the step before it and its last): a run with steps in flight waits there (Trainer::wait_after_steps).
+  std::vector<int64_t> edges() const { return {first_ - 1, last_}; }
 
  private:
   KernelTraceWindow(std::string dir, int64_t first, int64_t last, int rank)

@@ -87,8 +87,14 @@ class Trainer {
   EvalStats evaluate();
   // Per-token logprobs and top-k logits of `samples` (original order, on every rank; collective).
   std::vector<SampleScores> score(const std::vector<Sample>& samples, int64_t k);
-  // Full run with logging, metrics, loss curve and final weights (rank 0 writes files).
-  void run(std::function<void(const StepStats&)> on_step = nullptr);
+  // Full run with logging, metrics, loss curve and final weights (rank 0 writes files). on_step gets each
+  // step once it is complete, in order (with train.host_sync = log, in batches at log steps); before_step
+  // each step's index before it starts.
+  void run(std::function<void(const StepStats&)> on_step = nullptr,
+           std::function<void(int64_t)> before_step = nullptr);
+  // Steps after which run() waits for the device and logs before the next step starts (with steps in flight,
+  // train.host_sync = log; a kernel trace's window edges, say).
+  void wait_after_steps(std::vector<int64_t> steps) { wait_after_ = std::move(steps); }
 
   ParamStore& params() { return engine_->params(); }
   PipelineEngine& engine() { return *engine_; }
@@ -218,6 +224,7 @@ class Trainer {
   std::unique_ptr<DeferredSteps> deferred_;  // train.host_sync resolved to log (else null)
   std::vector<StepStats> pending_;           // steps in flight: all but the loss, norm, time and skip
   std::vector<StepStats> ready_;             // complete steps not yet taken (run(), train_step)
+  std::vector<int64_t> wait_after_;          // run() waits after these steps too
   // The flat grads' NCCL registration: released first (members go in reverse order), while the
   // communicators (outside the trainer) and the store (engine_) still exist.
   std::shared_ptr<void> grads_registration_;

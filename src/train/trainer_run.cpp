@@ -146,7 +146,7 @@ void Trainer::report_pipeline(bool logger) {
               trace_path_.c_str(), all.size());
 }
 
-void Trainer::run(std::function<void(const StepStats&)> on_step) {
+void Trainer::run(std::function<void(const StepStats&)> on_step, std::function<void(int64_t)> before_step) {
   const bool logger = c_.world->rank() == 0;
   const TrainConfig& tc = cfg_.train;
   std::unique_ptr<MetricsWriter> metrics;
@@ -254,12 +254,14 @@ void Trainer::run(std::function<void(const StepStats&)> on_step) {
 #ifdef NDT_HAVE_CUDA
     if (cuda::profiling_enabled()) cuda::mark("other");
 #endif
+    if (before_step) before_step(step);
     launch_step(step);
     const bool checkpoint_due =
         tc.checkpoint_every > 0 && (step + 1) % tc.checkpoint_every == 0 && step + 1 < tc.steps;
     const bool eval_due = tc.eval_every > 0 && step > 0 && step % tc.eval_every == 0 && step != tc.steps - 1;
+    const bool asked = std::find(wait_after_.begin(), wait_after_.end(), step) != wait_after_.end();
     if (pending_.empty() || step % tc.log_every == 0 || step == tc.steps - 1 || checkpoint_due || eval_due ||
-        deferred_->full())
+        asked || deferred_->full())
       collect();
 #ifdef NDT_HAVE_CUDA
     // NDT_CUDA_PROFILE=1: the GPU time between the phase marks of this step (cuda/runtime.h), rank 0.
