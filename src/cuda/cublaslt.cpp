@@ -273,6 +273,10 @@ void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, i
   // A bias epilogue needs an aligned bias vector; otherwise pre-fill C with the bias and accumulate.
   const bool epilogue_bias = bias && (reinterpret_cast<uintptr_t>(bias) % 16) == 0;
   if (c_in == C || beta == 0.0f) c_in = nullptr;
+  // An unaligned bias (and the fallback's) is pre-filled into C, which would drop what C holds.
+  NDT_CHECK(!(bias && beta != 0.0f && !c_in),
+            "gemm: a bias with beta = {} accumulating into C in place is not supported (pass the addend as c_in)",
+            beta);
   if (c_in && bias && !epilogue_bias) {  // the product with the bias pre-filled, then c_in by its own kernel
     gemm(ab, c, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, 0.0f, C, ldc, bias, stream);
     add_c_in(c, C, c_in, M, N, ldc, beta, stream);

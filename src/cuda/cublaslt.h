@@ -31,7 +31,8 @@ enum class DType : int { f32 = 0, bf16 = 1 };
 // c_in (same type and row stride as C): read in place of C, which is then only written,
 // C = alpha * op(A) @ op(B) + beta * c_in (+ bias), rounded once: a residual add in the epilogue. Where
 // cuBLASLt cannot run it (no algorithm, an unaligned bias) a kernel adds c_in after the product, which
-// needs ldc == N and beta = 1.
+// needs ldc == N and beta = 1. A bias with beta != 0 needs a separate c_in (accumulating in place into C with a
+// bias is refused: the bias's pre-fill would drop C).
 void gemm(DType ab, DType c, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
           const void* A, int64_t lda, const void* B, int64_t ldb, float beta, void* C, int64_t ldc,
           const void* bias, cudaStream_t stream = 0, const void* c_in = nullptr);

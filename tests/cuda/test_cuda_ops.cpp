@@ -608,6 +608,12 @@ void check_linear(const char* label, int64_t t, int64_t ic, int64_t oc, bool off
   for (int64_t i = 0; i < t * oc; ++i) ref[i] += res[i];
   std::snprintf(name, sizeof(name), "linear_fwd accumulate %s", label);
   expect_close<E>(name, acc.get(), ref);
+  // accumulating in place with a bias is refused (an unaligned bias or the fallback would pre-fill C with it,
+  // dropping what C holds), and C is left as it was
+  EXPECT_THROW(ndt::cuda::linear_forward<E>(acc.p, dx.p, dw.p, bias, t, ic, oc, 0, /*accumulate=*/true),
+               std::exception)
+      << label;
+  expect_close<E>(name, acc.get(), ref);
   // residual: out = residual + product + bias, the residual read by the matmul (out poisoned: not read);
   // the unaligned bias and cublasGemmEx's cases add it by a kernel of their own.
   Dev<E> resid(res);
