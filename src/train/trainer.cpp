@@ -501,24 +501,7 @@ StepStats Trainer::step_on(int64_t step, const std::vector<Microbatch>& mbs, Tok
   // Non-finite loss or gradients: the same decision on every rank of the world (docs/reliability.md).
   if (const std::string bad = check_nonfinite(local_loss, st.loss, st.grad_norm, local_grads_finite);
       !bad.empty()) {
-    const TrainConfig& tc = cfg_.train;
-    if (tc.nonfinite == "stop")
-      throw AgreedError(fmt::format("non-finite values at step {} (train.nonfinite = stop): {}", step, bad));
-    ++skipped_steps_;
-    ++consecutive_skips_;
-    if (consecutive_skips_ >= tc.max_consecutive_skips)
-      throw AgreedError(fmt::format(
-          "{} consecutive steps skipped for non-finite values (train.max_consecutive_skips = {}); the last, "
-          "step {}: {}",
-          consecutive_skips_, tc.max_consecutive_skips, step, bad));
-    if (c_.world->rank() == 0) {
-      std::printf(
-          "step %lld skipped (train.nonfinite = skip; weights and optimizer state unchanged): %s [%lld in "
-          "a row, %lld in total]\n",
-          static_cast<long long>(step), bad.c_str(), static_cast<long long>(consecutive_skips_),
-          static_cast<long long>(skipped_steps_));
-      std::fflush(stdout);
-    }
+    if (const std::string error = skip_nonfinite(step, bad); !error.empty()) throw AgreedError(error);
     st.skipped = true;
   } else {
     consecutive_skips_ = 0;
@@ -580,6 +563,28 @@ void Trainer::report_graph(int64_t step) {
                 c_.world->rank(), static_cast<long long>(step), graph_failure_told_.c_str());
     std::fflush(stdout);
   }
+}
+
+std::string Trainer::skip_nonfinite(int64_t step, const std::string& bad) {
+  const TrainConfig& tc = cfg_.train;
+  if (tc.nonfinite == "stop")
+    return fmt::format("non-finite values at step {} (train.nonfinite = stop): {}", step, bad);
+  ++skipped_steps_;
+  ++consecutive_skips_;
+  if (consecutive_skips_ >= tc.max_consecutive_skips)
+    return fmt::format(
+        "{} consecutive steps skipped for non-finite values (train.max_consecutive_skips = {}); the last, "
+        "step {}: {}",
+        consecutive_skips_, tc.max_consecutive_skips, step, bad);
+  if (c_.world->rank() == 0) {
+    std::printf(
+        "step %lld skipped (train.nonfinite = skip; weights and optimizer state unchanged): %s [%lld in "
+        "a row, %lld in total]\n",
+        static_cast<long long>(step), bad.c_str(), static_cast<long long>(consecutive_skips_),
+        static_cast<long long>(skipped_steps_));
+    std::fflush(stdout);
+  }
+  return {};
 }
 
 std::string Trainer::check_nonfinite(double local_loss, double loss, double grad_norm,

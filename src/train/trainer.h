@@ -196,6 +196,10 @@ class Trainer {
   // the first parameter (registration order) with a non-finite gradient and the ranks that saw it.
   std::string check_nonfinite(double local_loss, double loss, double grad_norm,
                               std::optional<bool> local_grads_finite);
+  // train.nonfinite for a step whose values were non-finite (`bad` says which): the error that ends the run
+  // (stop, or too many skips in a row), else "" with the skip counted and reported (rank 0). Both the
+  // per-step path and the steps read back from the device go through here.
+  std::string skip_nonfinite(int64_t step, const std::string& bad);
 
   Config cfg_;
   RunComms c_;

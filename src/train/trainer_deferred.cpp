@@ -2,7 +2,6 @@
 // host waiting for its norm and loss, and the read-back that turns the steps' records into the StepStats a
 // step-by-step run gives (the same loss, norm, skip decisions and messages, up to naming the parameter).
 #include <cmath>
-#include <cstdio>
 
 #include "core/phase_mark.h"
 #include "train/trainer.h"
@@ -57,37 +56,15 @@ std::string Trainer::collect_steps() {
   gather_peak_memory(all);
   opt_->set_steps_taken(got.records.back().opt_steps);
   std::string error;
-  const TrainConfig& tc = cfg_.train;
-  for (size_t i = 0; i < pending_.size() && error.empty(); ++i) {
+  for (size_t i = 0; i < pending_.size(); ++i) {
     StepStats& st = pending_[i];
     const StepRecord& r = got.records[i];
     st.seconds = got.seconds[i];
     st.grad_norm = std::sqrt(r.sum_squares);
     st.loss = r.loss_sum / static_cast<double>(st.tokens);
     if (r.flags != 0) {  // (a step after a stop condition is not reached: the stop ends the run at its step)
-      const std::string bad = nonfinite_message(r.flags);
-      if (tc.nonfinite == "stop") {
-        error = fmt::format("non-finite values at step {} (train.nonfinite = stop): {}", st.step, bad);
-        break;
-      }
-      ++skipped_steps_;
-      ++consecutive_skips_;
-      if (consecutive_skips_ >= tc.max_consecutive_skips) {
-        error = fmt::format(
-            "{} consecutive steps skipped for non-finite values (train.max_consecutive_skips = {}); the "
-            "last, "
-            "step {}: {}",
-            consecutive_skips_, tc.max_consecutive_skips, st.step, bad);
-        break;
-      }
-      if (c_.world->rank() == 0) {
-        std::printf(
-            "step %lld skipped (train.nonfinite = skip; weights and optimizer state unchanged): %s [%lld in "
-            "a row, %lld in total]\n",
-            static_cast<long long>(st.step), bad.c_str(), static_cast<long long>(consecutive_skips_),
-            static_cast<long long>(skipped_steps_));
-        std::fflush(stdout);
-      }
+      error = skip_nonfinite(st.step, nonfinite_message(r.flags));
+      if (!error.empty()) break;
       st.skipped = true;
     } else {
       consecutive_skips_ = 0;
