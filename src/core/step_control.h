@@ -7,6 +7,7 @@
 // host's per-step decision (train/trainer.cpp, cuda::adamw_op), so every path decides alike, bit for bit.
 #include <math.h>
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -16,6 +17,19 @@
 #endif
 
 namespace ndt {
+
+// AdamW's bias correction 1 - beta^t in double (beta as the kernels take it, a float), as PyTorch computes
+// it on the host: the CPU twin, the CUDA launch and the step decided on the device all take it from here.
+inline double adam_bias_correction(float beta, int64_t t) {
+  return 1.0 - std::pow(static_cast<double>(beta), static_cast<double>(t));
+}
+// The step's scalars from the bias corrections bc1, bc2: lr / bc1 and sqrt(bc2), rounded to float.
+struct AdamStepScalars {
+  float step_size, bc2_sqrt;
+};
+NDT_HOST_DEVICE inline AdamStepScalars adam_step_scalars(float lr, double bc1, double bc2) {
+  return {static_cast<float>(static_cast<double>(lr) / bc1), static_cast<float>(sqrt(bc2))};
+}
 
 // Lives on the step's device (host memory on the CPU). The step writes sum_squares and loss_sum; decide_step
 // fills the rest.
@@ -47,7 +61,7 @@ constexpr int32_t kLossNonfinite = 1, kNormNonfinite = 2;
 struct StepDecision {
   float lr = 0;  // as AdamW takes it (float, promoted to double for the step size)
   double clip = 0;
-  // bias_corrections[2k], [2k+1] = 1 - beta1^(base + k), 1 - beta2^(base + k) (the host's std::pow), for
+  // bias_corrections[2k], [2k+1] = adam_bias_correction(beta1 | beta2, base + k), for
   // base + k up to the most updates the steps in flight can apply.
   const double* bias_corrections = nullptr;
   int64_t base = 0;
@@ -69,8 +83,10 @@ NDT_HOST_DEVICE inline void decide_step(StepControl& c, const StepDecision& d, S
     c.skip = 0;
     ++c.opt_steps;
     const int64_t k = c.opt_steps - d.base;
-    c.step_size = static_cast<float>(static_cast<double>(d.lr) / d.bias_corrections[2 * k]);
-    c.bc2_sqrt = static_cast<float>(sqrt(d.bias_corrections[2 * k + 1]));
+    const AdamStepScalars a =
+        adam_step_scalars(d.lr, d.bias_corrections[2 * k], d.bias_corrections[2 * k + 1]);
+    c.step_size = a.step_size;
+    c.bc2_sqrt = a.bc2_sqrt;
     if (d.clip > 0 && norm > d.clip) {
       c.grad_scale = static_cast<float>(d.clip / (norm + 1e-6));
       c.clipped = 1;

@@ -81,14 +81,13 @@ __global__ void adamw_runs_kernel(const AdamwRun* runs, int nruns, AdamwOp base,
 // The step's scalars; pointers and the decay factor are the caller's.
 AdamwOp adamw_op(float lr, float beta1, float beta2, float eps, int64_t step, float grad_scale) {
   NDT_CUDA_REQUIRE(step >= 1, "adamw: step counts from 1");
-  // (decide_step, core/step_control.h, computes step_size and bc2_sqrt the same way on the device.)
-  // Bias corrections in double on the host, as PyTorch (and the CPU twin) compute them.
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
+  // Bias corrections in double on the host (core/step_control.h: as the CPU twin and decide_step).
+  const AdamStepScalars a =
+      adam_step_scalars(lr, adam_bias_correction(beta1, step), adam_bias_correction(beta2, step));
   AdamwOp op{};
   op.beta1 = beta1, op.beta2 = beta2, op.eps = eps, op.grad_scale = grad_scale, op.decay = 1.0f;
-  op.step_size = static_cast<float>(lr / bc1);
-  op.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  op.step_size = a.step_size;
+  op.bc2_sqrt = a.bc2_sqrt;
   return op;
 }
 }  // namespace

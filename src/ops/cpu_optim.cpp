@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/step_control.h"
 #include "ops/cpu_ops.h"
 
 namespace ndt::cpu {
@@ -17,11 +18,9 @@ constexpr int64_t kMinParallelWork = 1 << 15;
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, int64_t step) {
   NDT_CHECK(step >= 1, "adamw: step counts from 1, got {}", step);
-  // Bias corrections in double, as PyTorch computes them on the host.
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-  const float step_size = static_cast<float>(lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  // Bias corrections in double, as PyTorch computes them on the host (core/step_control.h).
+  const auto [step_size, bc2_sqrt] =
+      adam_step_scalars(lr, adam_bias_correction(beta1, step), adam_bias_correction(beta2, step));
   const float decay = 1.0f - lr * weight_decay;
 #pragma omp parallel for schedule(static) if (n >= kMinParallelWork)
   for (int64_t i = 0; i < n; ++i) {

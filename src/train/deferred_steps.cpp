@@ -1,6 +1,5 @@
 #include "train/deferred_steps.h"
 
-#include <cmath>
 #include <cstddef>
 #include <cstring>
 
@@ -37,7 +36,7 @@ void DeferredSteps::begin_step(int64_t opt_steps, int64_t consecutive_skips) {
   host_mark_ = std::chrono::steady_clock::now();
   if (in_flight_ > 0) return;
   // The device's counts from the host's, and AdamW's bias corrections for the updates this batch can
-  // apply, as cuda::adamw_op and the CPU's AdamW compute them (beta as float, then double; std::pow).
+  // apply, as cuda::adamw_op and the CPU's AdamW compute them.
   StepControl start;
   start.opt_steps = opt_steps;
   start.consecutive_skips = consecutive_skips;
@@ -46,11 +45,9 @@ void DeferredSteps::begin_step(int64_t opt_steps, int64_t consecutive_skips) {
   control_.copy_from(host);
   base_ = opt_steps;
   std::vector<double> bc(2 * (kMaxInFlight + 1), 0.0);
-  const double b1 = static_cast<float>(tc_.beta1), b2 = static_cast<float>(tc_.beta2);
   for (int64_t k = 1; k <= kMaxInFlight; ++k) {
-    const double t = static_cast<double>(base_ + k);
-    bc[2 * k] = 1.0 - std::pow(b1, t);
-    bc[2 * k + 1] = 1.0 - std::pow(b2, t);
+    bc[2 * k] = adam_bias_correction(static_cast<float>(tc_.beta1), base_ + k);
+    bc[2 * k + 1] = adam_bias_correction(static_cast<float>(tc_.beta2), base_ + k);
   }
   bias_corrections_.copy_from(Tensor::from_vector(bc, {static_cast<int64_t>(bc.size())}));
 #ifdef NDT_HAVE_CUDA
