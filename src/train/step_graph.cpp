@@ -37,6 +37,7 @@ struct StepGraph::Inputs {
 // copied the step that used it before (its event), so the host is at most kSlots steps ahead of the uploads.
 struct StepGraph::Staging {
   static constexpr int kSlots = 3;
+  static size_t padded(size_t bytes) { return (bytes + 255) / 256 * 256; }  // each copy's source aligned
   struct Slot {
     std::unique_ptr<cuda::PinnedBuffer> buf;
     size_t capacity = 0;
@@ -62,7 +63,7 @@ struct StepGraph::Staging {
     uint8_t* at = slot->buf->as<uint8_t>() + used;
     std::memcpy(at, src, bytes);
     cuda::copy_h2d_pinned(dst, at, bytes);
-    used += (bytes + 255) / 256 * 256;
+    used += padded(bytes);
   }
   void end() {
     slot->copied.record();
@@ -74,8 +75,8 @@ std::vector<Microbatch> StepGraph::upload(const std::vector<Microbatch>& mbs, fl
   bool moved = bufs_.size() != mbs.size();
   if (!scale_.defined()) scale_ = Tensor::empty({1}, DType::F32, Device::CUDA);
   if (!staging_) staging_ = std::make_unique<Staging>();
-  const auto staged = [](const Tensor& t) { return t.defined() ? (t.nbytes() + 255) / 256 * 256 : 0; };
-  size_t bytes = 256;  // (the loss scale)
+  const auto staged = [](const Tensor& t) { return t.defined() ? Staging::padded(t.nbytes()) : 0; };
+  size_t bytes = Staging::padded(sizeof(float));  // (the loss scale)
   for (const Microbatch& mb : mbs)
     bytes += staged(mb.tokens) + staged(mb.targets) + staged(mb.loss_mask) + staged(mb.positions) +
              (seqlens_on_host_ ? 0 : staged(mb.cu_seqlens));
