@@ -19,8 +19,10 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
                   float beta2, float eps, float weight_decay, int64_t step) {
   NDT_CHECK(step >= 1, "adamw: step counts from 1, got {}", step);
   // Bias corrections in double, as PyTorch computes them on the host (core/step_control.h).
-  const auto [step_size, bc2_sqrt] =
+  // (plain variables: an OpenMP region below may not capture structured bindings under clang)
+  const AdamStepScalars a =
       adam_step_scalars(lr, adam_bias_correction(beta1, step), adam_bias_correction(beta2, step));
+  const float step_size = a.step_size, bc2_sqrt = a.bc2_sqrt;
   const float decay = 1.0f - lr * weight_decay;
 #pragma omp parallel for schedule(static) if (n >= kMinParallelWork)
   for (int64_t i = 0; i < n; ++i) {
