@@ -673,7 +673,8 @@ TYPED_TEST(CudaOps, LinearVaryingRows) {
 TYPED_TEST(CudaOps, CrossEntropyLossBackwardFused) {
   NDT_REQUIRE_GPU();
   using E = TypeParam;
-  for (auto [rows, v] : {std::pair<int64_t, int64_t>{T, V}, {9, 50257}, {5, 120001}}) {
+  // (1000 rows: more than the 3 x SMs blocks of the grid, which stride over the rows)
+  for (auto [rows, v] : {std::pair<int64_t, int64_t>{T, V}, {9, 50257}, {5, 120001}, {1000, 1031}}) {
     SCOPED_TRACE("V = " + std::to_string(v));
     const Vec logits = rounded<E>(randv(rows * v, 60, 0.1f, 4.f));
     auto targets = randi(rows, 61, 0, static_cast<int32_t>(v + 40));  // a few out of range: target logit 0
@@ -694,6 +695,37 @@ TYPED_TEST(CudaOps, CrossEntropyLossBackwardFused) {
     expect_close<E>("xent_loss_backward_inplace logprob", lp.get(), rlp, 1e-5);
     expect_close<E>("xent_loss_backward_inplace dlogits", dl.get(), rd);
   }
+}
+
+// The fused loss-and-gradient kernel against the separate statistics, log-probability and in-place backward
+// kernels, bit for bit (the same block shape and per-thread order: a one-rank run and a TP run sum a row
+// alike), over more rows than one grid of blocks (which then strides over them).
+TYPED_TEST(CudaOps, CrossEntropyFusedEqualsSeparateKernels) {
+  NDT_REQUIRE_GPU();
+  using E = TypeParam;
+  const int64_t rows = 1500, v = 2053;
+  const Vec logits = rounded<E>(randv(rows * v, 70, 0.1f, 4.f));
+  const auto targets = randi(rows, 71, 0, static_cast<int32_t>(v));
+  Vec dloss = randv(rows, 72);
+  dloss[7] = dloss[1200] = 0.f;
+  DevI dt(targets);
+  Dev<E> fused(logits), sep(logits);
+  Dev<float> lp(rows), rowmax(rows), sumexp(rows), tl(rows), lp2(rows), ddl(dloss);
+  ndt::cuda::xent_loss_backward_inplace<E>(fused.p, lp.p, dt.p, ddl.p, rows, v);
+  ndt::cuda::xent_rowmax_sumexp<E>(rowmax.p, sumexp.p, sep.p, rows, v);
+  ndt::cuda::xent_target_logit<E>(tl.p, sep.p, dt.p, rows, v, 0);
+  ndt::cuda::xent_logprob(lp2.p, tl.p, rowmax.p, sumexp.p, rows);
+  ndt::cuda::xent_backward_inplace<E>(sep.p, rowmax.p, sumexp.p, dt.p, ddl.p, rows, v, 0);
+  const Vec a = lp.get(), b = lp2.get();
+  EXPECT_TRUE(a == b);
+  const Vec ga = fused.get(), gb = sep.get();
+  EXPECT_TRUE(ga == gb);
+  Vec rm(rows), rs(rows), rz(rows * v, 0.f);
+  ndt::cpu::xent_rowmax(rm.data(), logits.data(), rows, v);
+  ndt::cpu::xent_sumexp(rs.data(), logits.data(), rm.data(), rows, v);
+  ndt::cpu::xent_backward(rz.data(), logits.data(), rm.data(), rs.data(), targets.data(), dloss.data(), rows, v,
+                          0);
+  expect_close<E>("fused dlogits over many rows", ga, rz);
 }
 
 TYPED_TEST(CudaOps, CrossEntropy) {
