@@ -48,6 +48,7 @@ struct AdamwOp {
 // chunks), with the run's own AdamwOp: the same per-element arithmetic as adamw_update.
 __global__ void adamw_runs_kernel(const AdamwRun* runs, int nruns, AdamwOp base, float decayed,
                                   const StepControl* control) {
+  detail::pdl_prologue();
   if (control) {  // the step decided on the device (core/step_control.h)
     if (control->skip) return;
     base.step_size = control->step_size, base.bc2_sqrt = control->bc2_sqrt,
@@ -118,19 +119,20 @@ void adamw_update_runs(const AdamwRun* runs_dev, int nruns, int64_t chunks, floa
                        cudaStream_t stream, const StepControl* control) {
   const AdamwOp base = adamw_op(lr, beta1, beta2, eps, control ? 1 : step, grad_scale);
   if (nruns <= 0 || chunks <= 0) return;
-  adamw_runs_kernel<<<static_cast<unsigned>(chunks), 256, 0, stream>>>(runs_dev, nruns, base,
-                                                                       1.0f - lr * weight_decay, control);
+  detail::launch_pdl(adamw_runs_kernel, static_cast<unsigned>(chunks), 256, 0, stream, runs_dev, nruns, base,
+                     1.0f - lr * weight_decay, control);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
 namespace {
 __global__ void decide_step_kernel(StepControl* control, StepDecision d, StepRecord* record) {
+  detail::pdl_prologue();
   decide_step(*control, d, *record);
 }
 }  // namespace
 
 void decide_step(StepControl* control, const StepDecision& d, StepRecord* record, cudaStream_t stream) {
-  decide_step_kernel<<<1, 1, 0, stream>>>(control, d, record);
+  detail::launch_pdl(decide_step_kernel, 1, 1, 0, stream, control, d, record);
   NDT_CUDA_CHECK_LAUNCH();
 }
 

@@ -10,6 +10,7 @@ namespace {
 
 template <typename E>
 __global__ void merge_kernel(E* out, float* lse, const E* o, const float* l, int64_t rows, int64_t D) {
+  detail::pdl_prologue();
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -40,7 +41,8 @@ void attention_merge(E* out, float* lse, const E* o, const float* l, int64_t row
   if (rows == 0) return;
   const int threads = 256;
   const int64_t blocks = (rows * 32 + threads - 1) / threads;
-  merge_kernel<E><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(out, lse, o, l, rows, D);
+  detail::launch_pdl(merge_kernel<E>, static_cast<unsigned>(blocks), threads, 0, stream, out, lse, o, l, rows,
+                     D);
   NDT_CUDA_CHECK_LAUNCH();
 }
 

@@ -108,6 +108,7 @@ struct SwigluFwd {
 // Elementwise over (T, F) reading the fused gate/up row pair (T, 2F).
 template <typename E>
 __global__ void swiglu_fused_kernel(E* out, const E* h13, int64_t T, int64_t F) {
+  detail::pdl_prologue();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < T * F;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / F, f = i - t * F;
@@ -235,7 +236,7 @@ void swiglu_forward_fused(E* out, const E* h13, int64_t T, int64_t F, cudaStream
   if (n <= 0) return;
   const int block = 256;
   const auto grid = static_cast<unsigned>(std::min<int64_t>((n + block - 1) / block, 65535));
-  swiglu_fused_kernel<E><<<grid, block, 0, stream>>>(out, h13, T, F);
+  detail::launch_pdl(swiglu_fused_kernel<E>, grid, block, 0, stream, out, h13, T, F);
   NDT_CUDA_CHECK_LAUNCH();
 }
 

@@ -17,6 +17,7 @@ using detail::to_f;
 template <typename E, int VEC, bool ACCUMULATE>
 __global__ void gather_rows_kernel(E* out, const int32_t* ids, const E* table, int64_t T, int64_t V,
                                    int64_t C, int64_t start) {
+  detail::pdl_prologue();
   const int64_t nv = T * C / VEC;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < nv; idx += stride) {
@@ -48,16 +49,17 @@ void gather_rows(E* out, const int32_t* ids, const E* table, int64_t T, int64_t 
   constexpr int kBlock = 256;
   if (C % detail::kVec<E> == 0 && detail::all_aligned16({out, table})) {
     constexpr int kV = detail::kVec<E>;
-    gather_rows_kernel<E, kV, ACCUMULATE>
-        <<<detail::grid_for(T * C / kV, kBlock), kBlock, 0, stream>>>(out, ids, table, T, V, C, start);
+    detail::launch_pdl(gather_rows_kernel<E, kV, ACCUMULATE>, detail::grid_for(T * C / kV, kBlock), kBlock, 0,
+                       stream, out, ids, table, T, V, C, start);
   } else {
-    gather_rows_kernel<E, 1, ACCUMULATE>
-        <<<detail::grid_for(T * C, kBlock), kBlock, 0, stream>>>(out, ids, table, T, V, C, start);
+    detail::launch_pdl(gather_rows_kernel<E, 1, ACCUMULATE>, detail::grid_for(T * C, kBlock), kBlock, 0,
+                       stream, out, ids, table, T, V, C, start);
   }
   NDT_CUDA_CHECK_LAUNCH();
 }
 
 __global__ void iota_kernel(int32_t* x, int64_t n) {
+  detail::pdl_prologue();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] = static_cast<int32_t>(i);
 }
@@ -85,6 +87,7 @@ __device__ float sum_rows(const E* dout, const int32_t* tokens, int64_t j, int64
 template <typename E>
 __global__ void scatter_chunks_kernel(float* dtable, float* partial, const E* dout, const int32_t* keys,
                                       const int32_t* tokens, int64_t T, int64_t V, int64_t C, int64_t start) {
+  detail::pdl_prologue();
   const int64_t b = blockIdx.x, lo = b * kChunk, hi = min(T, lo + kChunk);
   for (int64_t s = lo; s < hi;) {
     const int32_t key = keys[s];
@@ -108,6 +111,7 @@ __global__ void scatter_chunks_kernel(float* dtable, float* partial, const E* do
 // Block b owns the run that starts in its chunk and crosses into the next: adds its pieces in chunk order.
 __global__ void scatter_finish_kernel(float* dtable, const float* partial, const int32_t* keys, int64_t T,
                                       int64_t V, int64_t C, int64_t start) {
+  detail::pdl_prologue();
   const int64_t b = blockIdx.x, lo = b * kChunk, hi = min(T, lo + kChunk);
   const int32_t key = keys[hi - 1];
   if (hi >= T || keys[hi] != key) return;                        // the chunk's last run ends here
@@ -135,7 +139,7 @@ void scatter_add_rows(float* dtable, const E* dout, const int32_t* ids, int64_t 
   int32_t* tok_in = buf.as<int32_t>();
   int32_t* keys_out = tok_in + T;
   int32_t* tok_out = keys_out + T;
-  iota_kernel<<<static_cast<unsigned>((T + 255) / 256), 256, 0, stream>>>(tok_in, T);
+  detail::launch_pdl(iota_kernel, static_cast<unsigned>((T + 255) / 256), 256, 0, stream, tok_in, T);
   NDT_CUDA_CHECK_LAUNCH();
   size_t temp_bytes = 0;
   NDT_CUDA_CHECK(
@@ -146,11 +150,11 @@ void scatter_add_rows(float* dtable, const E* dout, const int32_t* ids, int64_t 
   const int block = C >= 256 ? 256 : static_cast<int>((C + 31) / 32 * 32);
   const int64_t nchunk = (T + kChunk - 1) / kChunk;
   Scratch partial(sizeof(float) * 2 * nchunk * C, stream);
-  scatter_chunks_kernel<E><<<static_cast<unsigned>(nchunk), block, 0, stream>>>(
-      dtable, partial.as<float>(), dout, keys_out, tok_out, T, V, C, start);
+  detail::launch_pdl(scatter_chunks_kernel<E>, static_cast<unsigned>(nchunk), block, 0, stream, dtable,
+                     partial.as<float>(), dout, keys_out, tok_out, T, V, C, start);
   NDT_CUDA_CHECK_LAUNCH();
-  scatter_finish_kernel<<<static_cast<unsigned>(nchunk), block, 0, stream>>>(dtable, partial.as<float>(),
-                                                                             keys_out, T, V, C, start);
+  detail::launch_pdl(scatter_finish_kernel, static_cast<unsigned>(nchunk), block, 0, stream, dtable,
+                     partial.as<float>(), keys_out, T, V, C, start);
   NDT_CUDA_CHECK_LAUNCH();
 }
 }  // namespace

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "cuda/cuda_check.h"
 #include "cuda/runtime.h"
@@ -87,6 +88,35 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
+// Programmatic dependent launch (sm_90+): a kernel started by launch_pdl may begin while the kernel before it
+// on the stream is still finishing, so it must call pdl_prologue() before it reads or writes global memory.
+// The prologue waits until that kernel has completed and its writes are visible (a no-op for a kernel
+// launched the ordinary way), then lets the next such kernel be scheduled into this one's last wave.
+__device__ __forceinline__ void pdl_prologue() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// Launches kernel(args...) on grid x block threads with smem bytes of dynamic shared memory on stream, with
+// programmatic dependent launch where pdl_enabled(). Only for kernels that begin with pdl_prologue().
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  NDT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
 // Grid for a grid-stride loop over `work` items: enough blocks to fill the GPU, never more than needed.
 inline unsigned grid_for(int64_t work, int block) {
   const int64_t need = (work + block - 1) / block;
@@ -96,6 +126,7 @@ inline unsigned grid_for(int64_t work, int block) {
 // Elementwise kernel: Op::apply<N>(i) handles elements [i, i + N). Vector part first, scalar tail after.
 template <int VEC, typename Op>
 __global__ void elementwise_kernel(Op op, int64_t n) {
+  detail::pdl_prologue();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t nv = n / VEC;
@@ -110,9 +141,10 @@ void launch_elementwise(const Op& op, int64_t n, bool vec_ok, cudaStream_t strea
   if (n <= 0) return;
   constexpr int kBlock = 256;
   if (vec_ok) {
-    elementwise_kernel<kVec<E>><<<grid_for(n / kVec<E> + 1, kBlock), kBlock, 0, stream>>>(op, n);
+    detail::launch_pdl(elementwise_kernel<kVec<E>, Op>, grid_for(n / kVec<E> + 1, kBlock), kBlock, 0, stream,
+                       op, n);
   } else {
-    elementwise_kernel<1><<<grid_for(n, kBlock), kBlock, 0, stream>>>(op, n);
+    detail::launch_pdl(elementwise_kernel<1, Op>, grid_for(n, kBlock), kBlock, 0, stream, op, n);
   }
   NDT_CUDA_CHECK_LAUNCH();
 }
@@ -124,6 +156,7 @@ constexpr int kColsumRows = 256;
 
 template <int NOUT, typename Op>
 __global__ void colsum_partial_kernel(Op op, float* partial, int64_t T, int64_t C) {
+  detail::pdl_prologue();
   __shared__ float sm[NOUT][8][33];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kColsumRows;
@@ -159,6 +192,7 @@ template <int WARPS>  // (a template: defined in a header included by several .c
 __global__ void __launch_bounds__(32 * WARPS)
     colsum_finish_kernel(float* out0, float* out1, float* out2, const float* partial, int64_t nchunk,
                          int64_t C) {
+  detail::pdl_prologue();
   const int k = blockIdx.y;
   float* out = k == 0 ? out0 : k == 1 ? out1 : out2;
   if (!out) return;  // the whole block
@@ -183,8 +217,9 @@ __global__ void __launch_bounds__(32 * WARPS)
 inline void colsum_finish(int nout, float* out0, float* out1, float* out2, const float* partial,
                           int64_t nchunk, int64_t C, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(nout));
-  colsum_finish_kernel<kFinishWarps><<<grid, dim3(32, kFinishWarps), 0, stream>>>(
-      nout > 0 ? out0 : nullptr, nout > 1 ? out1 : nullptr, nout > 2 ? out2 : nullptr, partial, nchunk, C);
+  detail::launch_pdl(colsum_finish_kernel<kFinishWarps>, grid, dim3(32, kFinishWarps), 0, stream,
+                     nout > 0 ? out0 : nullptr, nout > 1 ? out1 : nullptr, nout > 2 ? out2 : nullptr, partial,
+                     nchunk, C);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
@@ -195,7 +230,8 @@ void colsum(float* out0, float* out1, const Op& op, int64_t T, int64_t C, cudaSt
   const int64_t nchunk = (T + kColsumRows - 1) / kColsumRows;
   Scratch partial(sizeof(float) * NOUT * nchunk * C, stream);
   const dim3 grid(static_cast<unsigned>((C + 31) / 32), static_cast<unsigned>(nchunk));
-  colsum_partial_kernel<NOUT><<<grid, dim3(32, 8), 0, stream>>>(op, partial.as<float>(), T, C);
+  detail::launch_pdl(colsum_partial_kernel<NOUT, Op>, grid, dim3(32, 8), 0, stream, op, partial.as<float>(),
+                     T, C);
   NDT_CUDA_CHECK_LAUNCH();
   colsum_finish(NOUT, out0, out1, nullptr, partial.as<float>(), nchunk, C, stream);
 }

@@ -90,6 +90,7 @@ __device__ __forceinline__ void add_norm_row(E* h, E* out, float* mean, float* r
 template <typename E, int VEC, bool RMS>
 __global__ void norm_forward_kernel(E* out, float* mean, float* rstd, const E* inp, const E* weight,
                                     const E* bias, int64_t T, int64_t C, float eps) {
+  detail::pdl_prologue();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T) return;
   norm_row<E, VEC, RMS, 32>(out, mean, rstd, inp, weight, bias, t, C, eps, threadIdx.x & 31,
@@ -121,6 +122,7 @@ template <typename E, int VEC, bool RMS>
 __global__ void norm_backward_dinp_kernel(E* dinp, const E* dout, const E* inp, const E* weight,
                                           const float* mean, const float* rstd, int64_t T, int64_t C,
                                           const E* dres) {
+  detail::pdl_prologue();
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T) return;
@@ -162,6 +164,7 @@ __global__ void __launch_bounds__(32 * kWarps)
     norm_backward_fused_kernel(__nv_bfloat16* dinp, float* partial, const __nv_bfloat16* dout,
                                const __nv_bfloat16* inp, const __nv_bfloat16* weight, const float* mean,
                                const float* rstd, int64_t T, int64_t C, const __nv_bfloat16* dres) {
+  detail::pdl_prologue();
   using E = __nv_bfloat16;
   constexpr int VEC = 8, SPAN = 32 * VEC;
   constexpr int NOUT = (RMS ? 1 : 2) + (SUMD ? 1 : 0);  // dweight, dbias, then dinp's own column sums
@@ -236,8 +239,8 @@ void launch_norm_backward_fused(__nv_bfloat16* dinp, float* dweight, float* dbia
   const unsigned grid = static_cast<unsigned>(
       std::min<int64_t>((T + kWarps - 1) / kWarps, static_cast<int64_t>(kFusedMaxBlocks)));
   Scratch partial(sizeof(float) * NOUT * grid * C, stream);
-  norm_backward_fused_kernel<RMS, CH, SUMD><<<grid, 32 * kWarps, 0, stream>>>(
-      dinp, partial.as<float>(), dout, inp, weight, mean, rstd, T, C, dres);
+  detail::launch_pdl(norm_backward_fused_kernel<RMS, CH, SUMD>, grid, 32 * kWarps, 0, stream, dinp,
+                     partial.as<float>(), dout, inp, weight, mean, rstd, T, C, dres);
   NDT_CUDA_CHECK_LAUNCH();
   // The finish kernel skips a null output; an RMSNorm has no bias term (its dinp sums come second).
   detail::colsum_finish(NOUT, dweight, RMS ? dsum : dbias, RMS ? nullptr : dsum, partial.as<float>(), grid, C,
@@ -326,6 +329,7 @@ template <typename E, int VEC, bool RMS>
 __global__ void __launch_bounds__(kRowThreads)
     norm_forward_row_kernel(E* out, float* mean, float* rstd, const E* inp, const E* weight, const E* bias,
                             int64_t C, float eps) {
+  detail::pdl_prologue();
   norm_row<E, VEC, RMS, kRowThreads>(out, mean, rstd, inp, weight, bias, blockIdx.x, C, eps, threadIdx.x,
                                      [](float v) { return block_sum_ordered(v); });
 }
@@ -334,6 +338,7 @@ template <typename E, int VEC, bool RMS>
 __global__ void add_norm_forward_kernel(E* h, E* out, float* mean, float* rstd, const E* a, const E* b,
                                         const E* rbias, const E* weight, const E* bias, int64_t T, int64_t C,
                                         float eps) {
+  detail::pdl_prologue();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T) return;
   add_norm_row<E, VEC, RMS, 32>(h, out, mean, rstd, a, b, rbias, weight, bias, t, C, eps, threadIdx.x & 31,
@@ -344,6 +349,7 @@ template <typename E, int VEC, bool RMS>
 __global__ void __launch_bounds__(kRowThreads)
     add_norm_forward_row_kernel(E* h, E* out, float* mean, float* rstd, const E* a, const E* b,
                                 const E* rbias, const E* weight, const E* bias, int64_t C, float eps) {
+  detail::pdl_prologue();
   add_norm_row<E, VEC, RMS, kRowThreads>(h, out, mean, rstd, a, b, rbias, weight, bias, blockIdx.x, C, eps,
                                          threadIdx.x, [](float v) { return block_sum_ordered(v); });
 }
@@ -355,20 +361,19 @@ void add_norm_forward(E* h, E* out, float* mean, float* rstd, const E* a, const 
   const bool vec = use_vec<E>(C, {h, out, a, b, rbias, weight, bias});
   if (T <= kFewRows) {  // a decode step: a block per row, like norm_forward
     if (vec)
-      add_norm_forward_row_kernel<E, detail::kVec<E>, RMS>
-          <<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(h, out, mean, rstd, a, b, rbias, weight,
-                                                                 bias, C, eps);
+      detail::launch_pdl(add_norm_forward_row_kernel<E, detail::kVec<E>, RMS>, static_cast<unsigned>(T),
+                         kRowThreads, 0, stream, h, out, mean, rstd, a, b, rbias, weight, bias, C, eps);
     else
-      add_norm_forward_row_kernel<E, 1, RMS><<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(
-          h, out, mean, rstd, a, b, rbias, weight, bias, C, eps);
+      detail::launch_pdl(add_norm_forward_row_kernel<E, 1, RMS>, static_cast<unsigned>(T), kRowThreads, 0,
+                         stream, h, out, mean, rstd, a, b, rbias, weight, bias, C, eps);
   } else {
     const unsigned grid = static_cast<unsigned>((T + kWarps - 1) / kWarps);
     if (vec)
-      add_norm_forward_kernel<E, detail::kVec<E>, RMS>
-          <<<grid, 32 * kWarps, 0, stream>>>(h, out, mean, rstd, a, b, rbias, weight, bias, T, C, eps);
+      detail::launch_pdl(add_norm_forward_kernel<E, detail::kVec<E>, RMS>, grid, 32 * kWarps, 0, stream, h,
+                         out, mean, rstd, a, b, rbias, weight, bias, T, C, eps);
     else
-      add_norm_forward_kernel<E, 1, RMS>
-          <<<grid, 32 * kWarps, 0, stream>>>(h, out, mean, rstd, a, b, rbias, weight, bias, T, C, eps);
+      detail::launch_pdl(add_norm_forward_kernel<E, 1, RMS>, grid, 32 * kWarps, 0, stream, h, out, mean, rstd,
+                         a, b, rbias, weight, bias, T, C, eps);
   }
   NDT_CUDA_CHECK_LAUNCH();
 }
@@ -379,21 +384,21 @@ void norm_forward(E* out, float* mean, float* rstd, const E* inp, const E* weigh
   if (T <= 0 || C <= 0) return;
   if (T <= kFewRows) {  // a decode step: a block per row
     if (use_vec<E>(C, {out, inp, weight, bias}))
-      norm_forward_row_kernel<E, detail::kVec<E>, RMS>
-          <<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(out, mean, rstd, inp, weight, bias, C, eps);
+      detail::launch_pdl(norm_forward_row_kernel<E, detail::kVec<E>, RMS>, static_cast<unsigned>(T),
+                         kRowThreads, 0, stream, out, mean, rstd, inp, weight, bias, C, eps);
     else
-      norm_forward_row_kernel<E, 1, RMS>
-          <<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(out, mean, rstd, inp, weight, bias, C, eps);
+      detail::launch_pdl(norm_forward_row_kernel<E, 1, RMS>, static_cast<unsigned>(T), kRowThreads, 0, stream,
+                         out, mean, rstd, inp, weight, bias, C, eps);
     NDT_CUDA_CHECK_LAUNCH();
     return;
   }
   const unsigned grid = static_cast<unsigned>((T + kWarps - 1) / kWarps);
   if (use_vec<E>(C, {out, inp, weight, bias})) {
-    norm_forward_kernel<E, detail::kVec<E>, RMS>
-        <<<grid, 32 * kWarps, 0, stream>>>(out, mean, rstd, inp, weight, bias, T, C, eps);
+    detail::launch_pdl(norm_forward_kernel<E, detail::kVec<E>, RMS>, grid, 32 * kWarps, 0, stream, out, mean,
+                       rstd, inp, weight, bias, T, C, eps);
   } else {
-    norm_forward_kernel<E, 1, RMS>
-        <<<grid, 32 * kWarps, 0, stream>>>(out, mean, rstd, inp, weight, bias, T, C, eps);
+    detail::launch_pdl(norm_forward_kernel<E, 1, RMS>, grid, 32 * kWarps, 0, stream, out, mean, rstd, inp,
+                       weight, bias, T, C, eps);
   }
   NDT_CUDA_CHECK_LAUNCH();
 }
@@ -409,11 +414,11 @@ void norm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E
   if (dinp) {
     const unsigned grid = static_cast<unsigned>((T + kWarps - 1) / kWarps);
     if (use_vec<E>(C, {dinp, dout, inp, weight, dres})) {
-      norm_backward_dinp_kernel<E, detail::kVec<E>, RMS>
-          <<<grid, 32 * kWarps, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, T, C, dres);
+      detail::launch_pdl(norm_backward_dinp_kernel<E, detail::kVec<E>, RMS>, grid, 32 * kWarps, 0, stream,
+                         dinp, dout, inp, weight, mean, rstd, T, C, dres);
     } else {
-      norm_backward_dinp_kernel<E, 1, RMS>
-          <<<grid, 32 * kWarps, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, T, C, dres);
+      detail::launch_pdl(norm_backward_dinp_kernel<E, 1, RMS>, grid, 32 * kWarps, 0, stream, dinp, dout, inp,
+                         weight, mean, rstd, T, C, dres);
     }
     NDT_CUDA_CHECK_LAUNCH();
   }

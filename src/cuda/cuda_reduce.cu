@@ -25,6 +25,7 @@ __device__ double block_sum_double(double x, double* sm) {
 
 template <bool VEC>
 __global__ void sumsq_partial_kernel(double* partial, const float* x, int64_t n) {
+  detail::pdl_prologue();
   __shared__ double sm[kSsBlock];
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kSsChunk;
   const int64_t i1 = i0 + kSsChunk < n ? i0 + kSsChunk : n;
@@ -46,6 +47,7 @@ __global__ void sumsq_partial_kernel(double* partial, const float* x, int64_t n)
 }
 
 __global__ void sumsq_finish_kernel(double* result, const double* partial, int64_t nblk, bool accumulate) {
+  detail::pdl_prologue();
   __shared__ double sm[kSsBlock];
   double acc = 0.0;
   for (int64_t b = threadIdx.x; b < nblk; b += kSsBlock) acc += partial[b];
@@ -62,6 +64,7 @@ struct ColumnOf {  // dbias term: dout itself
 
 template <typename E>
 __global__ void broadcast_rows_kernel(E* out, const E* row, int64_t rows, int64_t cols) {
+  detail::pdl_prologue();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols; i += stride)
     out[i] = row[i % cols];
@@ -73,23 +76,27 @@ void sum_squares_device(double* result, const float* x, int64_t n, bool accumula
   Scratch partial(sizeof(double) * (nblk > 0 ? nblk : 1), stream);
   if (nblk > 0) {
     if (detail::aligned16(x))
-      sumsq_partial_kernel<true>
-          <<<static_cast<unsigned>(nblk), kSsBlock, 0, stream>>>(partial.as<double>(), x, n);
+      detail::launch_pdl(sumsq_partial_kernel<true>, static_cast<unsigned>(nblk), kSsBlock, 0, stream,
+                         partial.as<double>(), x, n);
     else
-      sumsq_partial_kernel<false>
-          <<<static_cast<unsigned>(nblk), kSsBlock, 0, stream>>>(partial.as<double>(), x, n);
+      detail::launch_pdl(sumsq_partial_kernel<false>, static_cast<unsigned>(nblk), kSsBlock, 0, stream,
+                         partial.as<double>(), x, n);
     NDT_CUDA_CHECK_LAUNCH();
   }
-  sumsq_finish_kernel<<<1, kSsBlock, 0, stream>>>(result, partial.as<double>(), nblk, accumulate);
+  detail::launch_pdl(sumsq_finish_kernel, 1, kSsBlock, 0, stream, result, partial.as<double>(), nblk,
+                     accumulate);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
 namespace {
-__global__ void add_f64_kernel(double* dst, const double* src) { *dst += *src; }
+__global__ void add_f64_kernel(double* dst, const double* src) {
+  detail::pdl_prologue();
+  *dst += *src;
+}
 }  // namespace
 
 void add_f64(double* dst, const double* src, cudaStream_t stream) {
-  add_f64_kernel<<<1, 1, 0, stream>>>(dst, src);
+  detail::launch_pdl(add_f64_kernel, 1, 1, 0, stream, dst, src);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
@@ -110,6 +117,7 @@ namespace {
 constexpr int kBiasChunkRows = 64;
 __global__ void bias_grad_partial_vec_kernel(float* partial, const __nv_bfloat16* dout, int64_t T,
                                              int64_t C) {
+  detail::pdl_prologue();
   constexpr int VEC = 8, SPAN = 32 * VEC, PER = kBiasChunkRows / 8;
   __shared__ float sm[8][SPAN];
   const int x = threadIdx.x & 31, y = threadIdx.x >> 5;
@@ -153,7 +161,8 @@ void bias_backward(float* dbias, const E* dout, int64_t T, int64_t OC, cudaStrea
       const int64_t nchunk = (T + kBiasChunkRows - 1) / kBiasChunkRows;
       Scratch partial(sizeof(float) * nchunk * OC, stream);
       const dim3 grid(static_cast<unsigned>((OC + 255) / 256), static_cast<unsigned>(nchunk));
-      bias_grad_partial_vec_kernel<<<grid, 256, 0, stream>>>(partial.as<float>(), dout, T, OC);
+      detail::launch_pdl(bias_grad_partial_vec_kernel, grid, 256, 0, stream, partial.as<float>(), dout, T,
+                         OC);
       NDT_CUDA_CHECK_LAUNCH();
       detail::colsum_finish(1, dbias, nullptr, nullptr, partial.as<float>(), nchunk, OC, stream);
       return;
@@ -170,11 +179,11 @@ void broadcast_rows(void* out, const void* row, bool bf16, int64_t rows, int64_t
   if (rows <= 0 || cols <= 0) return;
   const unsigned grid = grid_for(rows * cols, 256);
   if (bf16)
-    broadcast_rows_kernel<<<grid, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(out),
-                                                    static_cast<const __nv_bfloat16*>(row), rows, cols);
+    detail::launch_pdl(broadcast_rows_kernel<__nv_bfloat16>, grid, 256, 0, stream,
+                       static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(row), rows, cols);
   else
-    broadcast_rows_kernel<<<grid, 256, 0, stream>>>(static_cast<float*>(out), static_cast<const float*>(row),
-                                                    rows, cols);
+    detail::launch_pdl(broadcast_rows_kernel<float>, grid, 256, 0, stream, static_cast<float*>(out),
+                       static_cast<const float*>(row), rows, cols);
   NDT_CUDA_CHECK_LAUNCH();
 }
 }  // namespace detail

@@ -32,6 +32,7 @@ __device__ void rope_angles(float* cs_sn, int32_t pos, int64_t D, double log_the
 template <typename E, bool ACCUMULATE>
 __global__ void rope_kernel(E* out, const E* inp, const int32_t* pos, int64_t H, int64_t D, double log_theta,
                             float sign) {
+  detail::pdl_prologue();
   extern __shared__ float cs_sn[];  // cos[half], then sin[half]
   const int64_t t = blockIdx.x;
   const int64_t half = D / 2;
@@ -61,6 +62,7 @@ __global__ void rope_kernel(E* out, const E* inp, const int32_t* pos, int64_t H,
 template <typename E, int C>
 __global__ void qkv_split_rope_kernel(E* q, E* k, E* v, const E* qkv, const int32_t* pos, const int32_t* rows,
                                       int H, int KV, int D, double log_theta) {
+  detail::pdl_prologue();
   extern __shared__ float cs_sn[];
   const int64_t t = blockIdx.x, r = rows ? rows[t] : t;  // r: the k/v row of token t
   const int half = D / 2, per_head = half / C;
@@ -97,6 +99,7 @@ __global__ void qkv_split_rope_kernel(E* q, E* k, E* v, const E* qkv, const int3
 template <typename E, int C>
 __global__ void qkv_merge_rope_backward_kernel(E* dqkv, const E* dq, const E* dk, const E* dv,
                                                const int32_t* pos, int H, int KV, int D, double log_theta) {
+  detail::pdl_prologue();
   extern __shared__ float cs_sn[];
   const int64_t t = blockIdx.x;
   const int half = D / 2, per_head = half / C;
@@ -138,8 +141,8 @@ void rope(E* out, const E* inp, const int32_t* pos, int64_t T, int64_t H, int64_
   NDT_CUDA_REQUIRE(D % 2 == 0, "rope: the head dim must be even");
   const int block = token_block(H * D / 2);
   const size_t smem = sizeof(float) * static_cast<size_t>(D);
-  rope_kernel<E, ACCUMULATE><<<static_cast<unsigned>(T), block, smem, stream>>>(
-      out, inp, pos, H, D, log(static_cast<double>(theta)), sign);
+  detail::launch_pdl(rope_kernel<E, ACCUMULATE>, static_cast<unsigned>(T), block, smem, stream, out, inp, pos,
+                     H, D, log(static_cast<double>(theta)), sign);
   NDT_CUDA_CHECK_LAUNCH();
 }
 }  // namespace
@@ -189,8 +192,8 @@ void qkv_split_rope(E* q, E* k, E* v, const E* qkv, const int32_t* pos, int64_t 
   if (T <= 0) return;
   const SplitLaunch l = split_launch<E>("qkv_split_rope", H, KV, D, theta, {q, k, v, qkv});
   const auto kernel = l.C > 1 ? qkv_split_rope_kernel<E, kVec<E>> : qkv_split_rope_kernel<E, 1>;
-  kernel<<<static_cast<unsigned>(T), l.block, l.smem, stream>>>(q, k, v, qkv, pos, kv_rows, l.H, l.KV, l.D,
-                                                                l.log_theta);
+  detail::launch_pdl(kernel, static_cast<unsigned>(T), l.block, l.smem, stream, q, k, v, qkv, pos, kv_rows,
+                     l.H, l.KV, l.D, l.log_theta);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
@@ -201,8 +204,8 @@ void qkv_merge_rope_backward(E* dqkv, const E* dq, const E* dk, const E* dv, con
   const SplitLaunch l = split_launch<E>("qkv_merge_rope_backward", H, KV, D, theta, {dqkv, dq, dk, dv});
   const auto kernel =
       l.C > 1 ? qkv_merge_rope_backward_kernel<E, kVec<E>> : qkv_merge_rope_backward_kernel<E, 1>;
-  kernel<<<static_cast<unsigned>(T), l.block, l.smem, stream>>>(dqkv, dq, dk, dv, pos, l.H, l.KV, l.D,
-                                                                l.log_theta);
+  detail::launch_pdl(kernel, static_cast<unsigned>(T), l.block, l.smem, stream, dqkv, dq, dk, dv, pos, l.H,
+                     l.KV, l.D, l.log_theta);
   NDT_CUDA_CHECK_LAUNCH();
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_check.h"
+#include "cuda/cuda_kernel_utils.cuh"
 #include "cuda/cuda_ops.h"
 
 namespace ndt::cuda {
@@ -12,6 +13,7 @@ namespace {
 
 template <typename E>
 __global__ void scatter_rows_kernel(E* dst, const int32_t* rows, const E* src, int64_t C) {
+  detail::pdl_prologue();
   const int64_t i = blockIdx.x;
   E* d = dst + static_cast<int64_t>(rows[i]) * C;
   const E* s = src + i * C;
@@ -22,6 +24,7 @@ __global__ void scatter_rows_kernel(E* dst, const int32_t* rows, const E* src, i
 template <typename U, int V, typename E>
 __global__ void concat_cols3_kernel(E* dst, const E* a, int64_t wa, const E* b, int64_t wb, const E* c,
                                     int64_t wc, int64_t T) {
+  detail::pdl_prologue();
   const int64_t w = wa + wb + wc, units = w / V, n = T * units;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -47,9 +50,9 @@ void concat_cols3(E* dst, const E* a, int64_t wa, const E* b, int64_t wb, const 
   const int64_t n = T * (vec ? w / V : w);
   const auto grid = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535));
   if (vec)
-    concat_cols3_kernel<uint4, V, E><<<grid, 256, 0, stream>>>(dst, a, wa, b, wb, c, wc, T);
+    detail::launch_pdl(concat_cols3_kernel<uint4, V, E>, grid, 256, 0, stream, dst, a, wa, b, wb, c, wc, T);
   else
-    concat_cols3_kernel<E, 1, E><<<grid, 256, 0, stream>>>(dst, a, wa, b, wb, c, wc, T);
+    detail::launch_pdl(concat_cols3_kernel<E, 1, E>, grid, 256, 0, stream, dst, a, wa, b, wb, c, wc, T);
   NDT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -61,6 +64,7 @@ template void concat_cols3<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, 
 __global__ void decode_advance_kernel(int32_t* tokens, int32_t* positions, const int32_t* sampled,
                                       int32_t* rows, int32_t* pos_q, int32_t* pos_k, int64_t n,
                                       int64_t rows_k) {
+  detail::pdl_prologue();
   const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (s >= n) return;
   tokens[s] = sampled[s];
@@ -72,15 +76,15 @@ __global__ void decode_advance_kernel(int32_t* tokens, int32_t* positions, const
 void decode_advance(int32_t* tokens, int32_t* positions, const int32_t* sampled, int32_t* rows,
                     int32_t* pos_q, int32_t* pos_k, int64_t n, int64_t rows_k, cudaStream_t stream) {
   if (n == 0) return;
-  decode_advance_kernel<<<static_cast<unsigned>((n + 127) / 128), 128, 0, stream>>>(
-      tokens, positions, sampled, rows, pos_q, pos_k, n, rows_k);
+  detail::launch_pdl(decode_advance_kernel, static_cast<unsigned>((n + 127) / 128), 128, 0, stream, tokens,
+                     positions, sampled, rows, pos_q, pos_k, n, rows_k);
   NDT_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename E>
 void scatter_rows(E* dst, const int32_t* rows, const E* src, int64_t n, int64_t C, cudaStream_t stream) {
   if (n == 0 || C == 0) return;
-  scatter_rows_kernel<E><<<static_cast<unsigned>(n), 256, 0, stream>>>(dst, rows, src, C);
+  detail::launch_pdl(scatter_rows_kernel<E>, static_cast<unsigned>(n), 256, 0, stream, dst, rows, src, C);
   NDT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -108,6 +108,7 @@ __device__ float block_max(float x, float* sm) {
 
 template <typename E>
 __global__ void rowmax_kernel(float* rowmax, const E* logits, int64_t T, int64_t V) {
+  detail::pdl_prologue();
   __shared__ float sm[32];
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
     float m = -INFINITY;  // an empty shard must not win the max
@@ -119,6 +120,7 @@ __global__ void rowmax_kernel(float* rowmax, const E* logits, int64_t T, int64_t
 
 template <typename E>
 __global__ void sumexp_kernel(float* sumexp, const E* logits, const float* rowmax, int64_t T, int64_t V) {
+  detail::pdl_prologue();
   __shared__ float sm[32];
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
     const float m = rowmax[t];
@@ -162,6 +164,7 @@ __device__ float2 row_normalizer(float m, float s, float* sm) {
 
 template <typename E>
 __global__ void rowmax_sumexp_kernel(float* rowmax, float* sumexp, const E* logits, int64_t T, int64_t V) {
+  detail::pdl_prologue();
   __shared__ float sm[32];
   constexpr int kV = detail::kVec<E>;
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
@@ -178,6 +181,7 @@ __global__ void rowmax_sumexp_kernel(float* rowmax, float* sumexp, const E* logi
 }
 
 __global__ void rebase_kernel(float* sumexp, const float* local_max, const float* global_max, int64_t T) {
+  detail::pdl_prologue();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= T) return;
   sumexp[t] = local_max[t] == -INFINITY ? 0.f : sumexp[t] * expf(local_max[t] - global_max[t]);
@@ -186,6 +190,7 @@ __global__ void rebase_kernel(float* sumexp, const float* local_max, const float
 template <typename E>
 __global__ void target_logit_kernel(float* tl, const E* logits, const int32_t* targets, int64_t T, int64_t V,
                                     int64_t start) {
+  detail::pdl_prologue();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= T) return;
   const int64_t j = static_cast<int64_t>(targets[t]) - start;
@@ -194,6 +199,7 @@ __global__ void target_logit_kernel(float* tl, const E* logits, const int32_t* t
 
 __global__ void logprob_kernel(float* lp, const float* tl, const float* rowmax, const float* sumexp,
                                int64_t T) {
+  detail::pdl_prologue();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t < T) lp[t] = tl[t] - rowmax[t] - logf(sumexp[t]);
 }
@@ -234,6 +240,7 @@ template <typename E, bool INPLACE>
 __global__ void xent_backward_kernel(E* dlogits, const E* logits, const float* rowmax, const float* sumexp,
                                      const int32_t* targets, const float* dloss, int64_t T, int64_t V,
                                      int64_t start) {
+  detail::pdl_prologue();
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
     const float dl = dloss[t];
     if (!INPLACE && dl == 0.0f) continue;  // (the whole block)
@@ -299,6 +306,7 @@ __device__ void xent_loss_backward_row(E* logits, float* logprob, const int32_t*
 template <typename E>
 __global__ void xent_loss_backward_kernel(E* logits, float* logprob, const int32_t* targets,
                                           const float* dloss, int64_t T, int64_t V) {
+  detail::pdl_prologue();
   __shared__ float sm[32];
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
     xent_loss_backward_row(logits, logprob, targets, dloss, t, V, sm);
@@ -308,6 +316,7 @@ template <typename E>
 __global__ void xent_backward_scalar_kernel(E* dlogits, const E* logits, const float* rowmax,
                                             const float* sumexp, const int32_t* targets, const float* dloss,
                                             int64_t T, int64_t V, int64_t start) {
+  detail::pdl_prologue();
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
     const float dl = dloss[t];
     if (dl == 0.0f) continue;
@@ -323,6 +332,7 @@ __global__ void xent_backward_scalar_kernel(E* dlogits, const E* logits, const f
 // losses[t] = mask[t] == 0 ? 0 : -(tl - max - log sumexp); *total = their sum (one block, fixed order).
 __global__ void loss_sum_kernel(float* losses, double* total, const float* tl, const float* rowmax,
                                 const float* sumexp, const float* mask, int64_t T) {
+  detail::pdl_prologue();
   __shared__ double sm[1024];
   double acc = 0.0;
   for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
@@ -345,7 +355,7 @@ unsigned blocks_for(int64_t T) { return static_cast<unsigned>((T + 255) / 256); 
 template <typename E>
 void xent_rowmax(float* rowmax, const E* logits, int64_t T, int64_t V, cudaStream_t stream) {
   if (T <= 0) return;
-  rowmax_kernel<E><<<rows_grid(T), kBlock, 0, stream>>>(rowmax, logits, T, V);
+  detail::launch_pdl(rowmax_kernel<E>, rows_grid(T), kBlock, 0, stream, rowmax, logits, T, V);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
@@ -353,7 +363,7 @@ template <typename E>
 void xent_sumexp(float* sumexp, const E* logits, const float* rowmax, int64_t T, int64_t V,
                  cudaStream_t stream) {
   if (T <= 0) return;
-  sumexp_kernel<E><<<rows_grid(T), kBlock, 0, stream>>>(sumexp, logits, rowmax, T, V);
+  detail::launch_pdl(sumexp_kernel<E>, rows_grid(T), kBlock, 0, stream, sumexp, logits, rowmax, T, V);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
@@ -361,14 +371,14 @@ template <typename E>
 void xent_rowmax_sumexp(float* rowmax, float* sumexp, const E* logits, int64_t T, int64_t V,
                         cudaStream_t stream) {
   if (T <= 0) return;
-  rowmax_sumexp_kernel<E><<<rows_grid(T), kBlock, 0, stream>>>(rowmax, sumexp, logits, T, V);
+  detail::launch_pdl(rowmax_sumexp_kernel<E>, rows_grid(T), kBlock, 0, stream, rowmax, sumexp, logits, T, V);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
 void xent_rebase_sumexp(float* sumexp, const float* local_max, const float* global_max, int64_t T,
                         cudaStream_t stream) {
   if (T <= 0) return;
-  rebase_kernel<<<blocks_for(T), 256, 0, stream>>>(sumexp, local_max, global_max, T);
+  detail::launch_pdl(rebase_kernel, blocks_for(T), 256, 0, stream, sumexp, local_max, global_max, T);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
@@ -376,14 +386,15 @@ template <typename E>
 void xent_target_logit(float* target_logit, const E* logits, const int32_t* targets, int64_t T, int64_t V,
                        int64_t vocab_start, cudaStream_t stream) {
   if (T <= 0) return;
-  target_logit_kernel<E><<<blocks_for(T), 256, 0, stream>>>(target_logit, logits, targets, T, V, vocab_start);
+  detail::launch_pdl(target_logit_kernel<E>, blocks_for(T), 256, 0, stream, target_logit, logits, targets, T,
+                     V, vocab_start);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
 void xent_logprob(float* logprob, const float* target_logit, const float* rowmax, const float* sumexp,
                   int64_t T, cudaStream_t stream) {
   if (T <= 0) return;
-  logprob_kernel<<<blocks_for(T), 256, 0, stream>>>(logprob, target_logit, rowmax, sumexp, T);
+  detail::launch_pdl(logprob_kernel, blocks_for(T), 256, 0, stream, logprob, target_logit, rowmax, sumexp, T);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
@@ -395,11 +406,11 @@ void xent_backward(E* dlogits, const E* logits, const float* rowmax, const float
   const bool same_phase =
       ((reinterpret_cast<uintptr_t>(dlogits) ^ reinterpret_cast<uintptr_t>(logits)) & 15u) == 0;
   if (same_phase) {
-    xent_backward_kernel<E, false><<<rows_grid(T), kBlock, 0, stream>>>(dlogits, logits, rowmax, sumexp,
-                                                                        targets, dloss, T, V, vocab_start);
+    detail::launch_pdl(xent_backward_kernel<E, false>, rows_grid(T), kBlock, 0, stream, dlogits, logits,
+                       rowmax, sumexp, targets, dloss, T, V, vocab_start);
   } else {
-    xent_backward_scalar_kernel<E><<<rows_grid(T), kBlock, 0, stream>>>(dlogits, logits, rowmax, sumexp,
-                                                                        targets, dloss, T, V, vocab_start);
+    detail::launch_pdl(xent_backward_scalar_kernel<E>, rows_grid(T), kBlock, 0, stream, dlogits, logits,
+                       rowmax, sumexp, targets, dloss, T, V, vocab_start);
   }
   NDT_CUDA_CHECK_LAUNCH();
 }
@@ -409,8 +420,8 @@ void xent_backward_inplace(E* logits, const float* rowmax, const float* sumexp, 
                            const float* dloss, int64_t T, int64_t V, int64_t vocab_start,
                            cudaStream_t stream) {
   if (T <= 0 || V <= 0) return;
-  xent_backward_kernel<E, true><<<rows_grid(T), kBlock, 0, stream>>>(logits, logits, rowmax, sumexp, targets,
-                                                                     dloss, T, V, vocab_start);
+  detail::launch_pdl(xent_backward_kernel<E, true>, rows_grid(T), kBlock, 0, stream, logits, logits, rowmax,
+                     sumexp, targets, dloss, T, V, vocab_start);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
@@ -418,7 +429,8 @@ template <typename E>
 void xent_loss_backward_inplace(E* logits, float* logprob, const int32_t* targets, const float* dloss,
                                 int64_t T, int64_t V, cudaStream_t stream) {
   if (T <= 0 || V <= 0) return;
-  xent_loss_backward_kernel<E><<<rows_grid(T), kBlock, 0, stream>>>(logits, logprob, targets, dloss, T, V);
+  detail::launch_pdl(xent_loss_backward_kernel<E>, rows_grid(T), kBlock, 0, stream, logits, logprob, targets,
+                     dloss, T, V);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
@@ -433,7 +445,7 @@ double cross_entropy_forward(float* losses, const E* logits, const int32_t* targ
   float* tl = sumexp + T;
   xent_rowmax_sumexp<E>(rowmax, sumexp, logits, T, V, stream);
   xent_target_logit<E>(tl, logits, targets, T, V, 0, stream);
-  loss_sum_kernel<<<1, 1024, 0, stream>>>(losses, total, tl, rowmax, sumexp, mask, T);
+  detail::launch_pdl(loss_sum_kernel, 1, 1024, 0, stream, losses, total, tl, rowmax, sumexp, mask, T);
   NDT_CUDA_CHECK_LAUNCH();
   double host = 0.0;
   copy_d2h_on(&host, total, sizeof(double), stream);

@@ -1,5 +1,6 @@
 // lse layout conversions for cudnn_attention.cpp (when the engine wants packed (B, H, S) statistics).
 #include "cuda/cuda_check.h"
+#include "cuda/cuda_kernel_utils.cuh"
 #include "cuda/cudnn_attention.h"
 
 namespace ndt::cuda {
@@ -8,6 +9,7 @@ namespace {
 // rows (B*S, H) -> (B, H, S) when to_bhs, else back. One thread per element; tiny (B*S*H floats).
 __global__ void lse_layout_kernel(float* dst, const float* src, int64_t B, int64_t S, int64_t H,
                                   bool to_bhs) {
+  detail::pdl_prologue();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= B * S * H) return;
   const int64_t b = i / (S * H), s = (i / H) % S, h = i % H;  // i indexes the rows layout
@@ -21,7 +23,8 @@ __global__ void lse_layout_kernel(float* dst, const float* src, int64_t B, int64
 void launch(float* dst, const float* src, int64_t B, int64_t S, int64_t H, bool to_bhs, cudaStream_t stream) {
   const int64_t n = B * S * H;
   if (n == 0) return;
-  lse_layout_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(dst, src, B, S, H, to_bhs);
+  detail::launch_pdl(lse_layout_kernel, static_cast<unsigned>((n + 255) / 256), 256, 0, stream, dst, src, B,
+                     S, H, to_bhs);
   NDT_CUDA_CHECK_LAUNCH();
 }
 

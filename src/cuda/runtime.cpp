@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -316,6 +317,30 @@ int sm_count() {
     int n = 0;
     NDT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     it = counts.emplace(dev, n).first;
+  }
+  return it->second;
+}
+
+namespace {
+std::atomic<bool> g_pdl_on{[] {
+  const char* e = std::getenv("NDT_PDL");
+  return !(e && std::string(e) == "0");
+}()};
+}  // namespace
+
+void set_pdl_enabled(bool on) { g_pdl_on = on; }
+
+bool pdl_enabled() {
+  static std::mutex mu;
+  static std::map<int, bool> enabled;
+  if (!g_pdl_on) return false;
+  const int dev = current_device();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = enabled.find(dev);
+  if (it == enabled.end()) {
+    int major = 0;
+    NDT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    it = enabled.emplace(dev, major >= 9).first;
   }
   return it->second;
 }

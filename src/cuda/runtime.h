@@ -129,6 +129,13 @@ int select_device(int fallback_rank);
 int current_device();
 // Streaming multiprocessors of the current device (queried once per device).
 int sm_count();
+// Whether ndtrain's kernels are launched with programmatic dependent launch (a kernel's launch overlaps the
+// end of the one before it on the stream; each such kernel waits for it before touching memory,
+// cuda_kernel_utils.cuh's pdl_prologue): on devices of compute capability 9.0 and later, unless
+// NDT_PDL=0 (A/B runs) or set_pdl_enabled(false). Applies to launches made from then on (a captured CUDA graph
+// keeps the form it was captured with).
+bool pdl_enabled();
+void set_pdl_enabled(bool on);
 
 struct MemoryStats {
   // High-water mark of live tensor bytes (as torch's max_memory_allocated): the pool's, or, where larger, the

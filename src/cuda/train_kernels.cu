@@ -1,4 +1,5 @@
 #include "cuda/cuda_check.h"
+#include "cuda/cuda_kernel_utils.cuh"
 #include "cuda/train_kernels.h"
 
 namespace ndt::cuda {
@@ -7,12 +8,14 @@ namespace {
 // The scale is an argument, or read from device memory (a CUDA graph replays it with each step's value).
 __global__ void scale_mask_kernel(float* dloss, const float* mask, float scale, const float* scale_at,
                                   int64_t T) {
+  detail::pdl_prologue();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < T) dloss[i] = (scale_at ? *scale_at : scale) * mask[i];
 }
 
 constexpr int kLossThreads = 1024;
 __global__ void masked_loss_sum_kernel(double* result, const float* logprob, const float* mask, int64_t T) {
+  detail::pdl_prologue();
   __shared__ double sm[kLossThreads];
   double acc = 0;
   for (int64_t t = threadIdx.x; t < T; t += kLossThreads)
@@ -36,20 +39,21 @@ __global__ void hang_kernel() {
 
 void scale_mask(float* dloss, const float* mask, float scale, int64_t T, cudaStream_t stream) {
   if (T == 0) return;
-  scale_mask_kernel<<<static_cast<unsigned>((T + 255) / 256), 256, 0, stream>>>(dloss, mask, scale, nullptr,
-                                                                                T);
+  detail::launch_pdl(scale_mask_kernel, static_cast<unsigned>((T + 255) / 256), 256, 0, stream, dloss, mask,
+                     scale, nullptr, T);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
 void scale_mask_at(float* dloss, const float* mask, const float* scale, int64_t T, cudaStream_t stream) {
   if (T == 0) return;
-  scale_mask_kernel<<<static_cast<unsigned>((T + 255) / 256), 256, 0, stream>>>(dloss, mask, 0.f, scale, T);
+  detail::launch_pdl(scale_mask_kernel, static_cast<unsigned>((T + 255) / 256), 256, 0, stream, dloss, mask,
+                     0.f, scale, T);
   NDT_CUDA_CHECK_LAUNCH();
 }
 
 void masked_loss_sum(double* result, const float* logprob, const float* mask, int64_t T,
                      cudaStream_t stream) {
-  masked_loss_sum_kernel<<<1, kLossThreads, 0, stream>>>(result, logprob, mask, T);
+  detail::launch_pdl(masked_loss_sum_kernel, 1, kLossThreads, 0, stream, result, logprob, mask, T);
   NDT_CUDA_CHECK_LAUNCH();
 }
 

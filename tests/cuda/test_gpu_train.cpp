@@ -174,6 +174,28 @@ TEST(GpuHostSync, LogRunGivesStepRunBits) {
   EXPECT_EQ(b.opt_steps, 8);
 }
 
+// Programmatic dependent launch (cuda::pdl_enabled, on by default on sm_90+: ndtrain's kernels start while
+// the one before is finishing and wait for it in their prologue) against ordinary launches, fp32 (the
+// built-in attention, bit-reproducible), 5 steps replayed from a graph and 5 launched from the host: the
+// same bits. A kernel touching memory before its wait would race with its predecessor here.
+TEST_P(GpuTrain, DependentLaunchGivesSameBits) {
+  NDT_REQUIRE_GPU();
+  if (!cuda::pdl_enabled()) GTEST_SKIP() << "programmatic dependent launch is off (NDT_PDL=0 or before sm_90)";
+  const Case& c = GetParam();
+  for (const char* graphs : {"true", "false"}) {
+    SCOPED_TRACE(std::string("cuda_graphs=") + graphs);
+    std::vector<std::string> sets = c.extra;
+    sets.insert(sets.end(), {"train.device=cuda", "train.precision=fp32", "train.steps=5",
+                             std::string("train.cuda_graphs=") + graphs});
+    TrainResult pdl = train(small_config(c.style, sets));
+    cuda::set_pdl_enabled(false);
+    TrainResult plain = train(small_config(c.style, sets));
+    cuda::set_pdl_enabled(true);
+    EXPECT_EQ(pdl.losses, plain.losses);
+    EXPECT_TRUE(pdl.weights == plain.weights);
+  }
+}
+
 // bf16 runs cuDNN's fused attention inside the graph; its backward sums dQ with atomics, so the runs agree
 // to the tolerance of two eager runs (as recomputation's test below): losses to 1e-3 relative.
 TEST_P(GpuTrain, GraphReplayBf16FollowsEager) {
