@@ -307,43 +307,33 @@ int current_device() {
   return dev;
 }
 
-int sm_count() {
+namespace {
+// A device attribute of the current device, queried once per device (host code asks per launch).
+int device_attribute(cudaDeviceAttr attr) {
   static std::mutex mu;
-  static std::map<int, int> counts;
+  static std::map<std::pair<int, int>, int> values;
   const int dev = current_device();
   std::lock_guard<std::mutex> lock(mu);
-  auto it = counts.find(dev);
-  if (it == counts.end()) {
-    int n = 0;
-    NDT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    it = counts.emplace(dev, n).first;
+  auto it = values.find({dev, static_cast<int>(attr)});
+  if (it == values.end()) {
+    int v = 0;
+    NDT_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, dev));
+    it = values.emplace(std::make_pair(dev, static_cast<int>(attr)), v).first;
   }
   return it->second;
 }
 
-namespace {
 std::atomic<bool> g_pdl_on{[] {
   const char* e = std::getenv("NDT_PDL");
   return !(e && std::string(e) == "0");
 }()};
 }  // namespace
 
+int sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount); }
+
 void set_pdl_enabled(bool on) { g_pdl_on = on; }
 
-bool pdl_enabled() {
-  static std::mutex mu;
-  static std::map<int, bool> enabled;
-  if (!g_pdl_on) return false;
-  const int dev = current_device();
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = enabled.find(dev);
-  if (it == enabled.end()) {
-    int major = 0;
-    NDT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    it = enabled.emplace(dev, major >= 9).first;
-  }
-  return it->second;
-}
+bool pdl_enabled() { return g_pdl_on && device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9; }
 
 namespace {
 std::atomic<int64_t> g_external_bytes{0};
