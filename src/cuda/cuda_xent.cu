@@ -300,7 +300,6 @@ __device__ void xent_loss_backward_row(E* logits, float* logprob, const int32_t*
         for (int k = 0; k < kV; ++k) pk.v[k] = from_f<E>(xent_grad(to_f(pk.v[k]), M, scale, dl, k == rk));
         *reinterpret_cast<P*>(l + j0) = pk;
       });
-  __syncthreads();  // the row's last reads of sm are done before the next row's reductions
 }
 
 template <typename E>
