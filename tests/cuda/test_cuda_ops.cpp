@@ -723,8 +723,8 @@ TYPED_TEST(CudaOps, CrossEntropyFusedEqualsSeparateKernels) {
   Vec rm(rows), rs(rows), rz(rows * v, 0.f);
   ndt::cpu::xent_rowmax(rm.data(), logits.data(), rows, v);
   ndt::cpu::xent_sumexp(rs.data(), logits.data(), rm.data(), rows, v);
-  ndt::cpu::xent_backward(rz.data(), logits.data(), rm.data(), rs.data(), targets.data(), dloss.data(), rows, v,
-                          0);
+  ndt::cpu::xent_backward(rz.data(), logits.data(), rm.data(), rs.data(), targets.data(), dloss.data(), rows,
+                          v, 0);
   expect_close<E>("fused dlogits over many rows", ga, rz);
 }
 
@@ -1016,9 +1016,30 @@ TEST(CudaKernelBench, DISABLED_Timings) {
       ndt::cuda::layernorm_backward<bf16>(ho.p, dw.p, db.p, h.p, h.p, hw.p, mean.p, rstd.p, t, ic);
     });
     std::printf("[time] layernorm_bwd bf16: %.3f ms\n", ms);
+    // As in a step: the residual gradient added (dres) and dinp's column sums for the previous bias (dsum);
+    // bytes: dout, inp, dres read and dinp written.
+    Dev<bf16> hg(randv(t * ic, 13)), hd(t * ic);
+    Dev<float> ds(ic);
+    ms = time_ms([&] {
+      ndt::cuda::layernorm_backward<bf16>(hd.p, dw.p, db.p, hg.p, h.p, hw.p, mean.p, rstd.p, t, ic, nullptr,
+                                          ho.p, ds.p);
+    });
+    std::printf("[time] layernorm_bwd bf16 +dres +dsum (%lldx%lld): %.3f ms, %.0f GB/s\n", (long long)t,
+                (long long)ic, ms, 8.0 * t * ic / ms * 1e-6);
     ms = time_ms([&] { ndt::cuda::gelu_forward<bf16>(out.p, g.p, t * oc); });
     std::printf("[time] gelu_fwd bf16 (%lld): %.3f ms, %.0f GB/s\n", (long long)(t * oc), ms,
                 4.0 * t * oc / ms * 1e-6);
+  }
+  {  // the 1B Llama's RMSNorm backward (one microbatch of 4 x 2048 rows, d_model 2048)
+    const int64_t tl = 8192, cl = 2048;
+    Dev<bf16> h(randv(tl * cl, 14)), hg(randv(tl * cl, 15)), hr(randv(tl * cl, 16)), hw(randv(cl, 17)),
+        hd(tl * cl);
+    Dev<float> rstd(randv(tl, 18)), dwl(cl);
+    ms = time_ms([&] {
+      ndt::cuda::rmsnorm_backward<bf16>(hd.p, dwl.p, hg.p, h.p, hw.p, rstd.p, tl, cl, nullptr, hr.p, nullptr);
+    });
+    std::printf("[time] rmsnorm_bwd bf16 +dres (%lldx%lld): %.3f ms, %.0f GB/s\n", (long long)tl,
+                (long long)cl, ms, 8.0 * tl * cl / ms * 1e-6);
   }
   {  // cross-entropy at GPT-2 vocab
     const int64_t v = 50257, tt = 8192;
