@@ -12,6 +12,8 @@ records {"type": "train", "step", "loss", "step_seconds", "elapsed_seconds", "pe
              (ndt_common.matmul_params(active=True)); the header line also gives the total and active
              parameter counts (ndt_common.param_counts)
   loss       max |loss_ndtrain - loss_torch| over the first --loss-steps steps (same init, same batches)
+  clocks     where gpu_bench.sh sampled them (CLOCKS=1: DIR.clocks.csv, DIR.start), the SM clock and power
+             over the timed steps and the share of samples with a power-cap reason set
 
   bench_report.py --config CFG [--set k=v ...] --peak peak.json --run LABEL=DIR ... [--failed LABEL=WHY ...]
                   --out DIR --title TITLE [--warmup 10] [--loss-steps 50]
@@ -19,10 +21,12 @@ Writes DIR/summary.md, DIR/summary.json, DIR/losses.csv, DIR/loss.svg (and DIR/l
 Python standard library only.
 """
 import argparse
+import csv
 import json
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ndt_common import flops_per_token, matmul_params, param_counts, read_config  # noqa: E402
@@ -63,6 +67,42 @@ def run_stats(recs, tokens_per_step, warmup, fpt, peak_tflops):
     }
     st["mfu"] = tps * fpt / (peak_tflops * 1e12) if peak_tflops else None
     return st
+
+
+def clock_stats(run_dir, recs, warmup):
+    """CLOCKS=1 (gpu_bench.sh): the nvidia-smi samples beside the timed steps (RUN_DIR.clocks.csv, its start
+    time in RUN_DIR.start): median SM clock and power, and the share of samples with a power-cap reason."""
+    try:
+        start = float(open(run_dir + ".start").read())
+        rows = list(csv.reader(open(run_dir + ".clocks.csv")))
+    except (OSError, ValueError):
+        return None
+    steady = [r for r in recs if r["step"] >= warmup]
+    if len(steady) < 2 or len(rows) < 2:
+        return None
+    # Unix times: the records' own ("time", ndtrain and torch_model.py write it), else the sampler's start
+    # plus elapsed_seconds (late by the process's start-up).
+    first = steady[0].get("time", start + steady[0]["elapsed_seconds"])
+    lo = first - steady[0]["step_seconds"]
+    hi = steady[-1].get("time", start + steady[-1]["elapsed_seconds"])
+    mhz, watts, capped = [], [], 0
+    for row in rows[1:]:  # timestamp, SM clock, memory clock, power, temperature[, reasons]
+        try:
+            t = time.mktime(time.strptime(row[0].strip().split(".")[0], "%Y/%m/%d %H:%M:%S"))
+            t += float("0." + row[0].strip().split(".")[1]) if "." in row[0] else 0.0
+            if not lo <= t <= hi:
+                continue
+            mhz.append(float(row[1].split()[0]))
+            watts.append(float(row[3].split()[0]))
+            # 0x4 software power cap, 0x80 hardware power brake
+            capped += len(row) > 5 and (int(row[5], 16) & 0x84) != 0
+        except (ValueError, IndexError):
+            continue
+    if not mhz:
+        return None
+    return {"sm_mhz_median": statistics.median(mhz), "sm_mhz_min": min(mhz), "sm_mhz_max": max(mhz),
+            "power_w_median": statistics.median(watts), "power_capped_share": capped / len(mhz),
+            "samples": len(mhz)}
 
 
 def max_abs_diff(a, b, n):
@@ -167,7 +207,10 @@ def main():
     for kv in a.run:
         label, d = kv.split("=", 1)
         recs = read_metrics(os.path.join(d, "metrics.jsonl"))
-        runs.append((label, recs, run_stats(recs, gb * S, a.warmup, fpt, peak)))
+        st = run_stats(recs, gb * S, a.warmup, fpt, peak)
+        if st is not None:
+            st["clocks"] = clock_stats(d, recs, a.warmup)
+        runs.append((label, recs, st))
     os.makedirs(a.out, exist_ok=True)
 
     title = a.title or cfg["model.style"]
@@ -215,6 +258,12 @@ def main():
         lines.append(f"- reference noise, {runs[1][0]} vs {runs[2][0]}: max |loss difference| over {n} steps: "
                      f"{fmt(diff, '.4f')}")
         summary["torch_vs_torch_max_abs_loss_diff"] = diff
+    for label, _, st in runs:
+        c = st and st.get("clocks")
+        if c:
+            lines.append(f"- clocks over the timed steps, {label}: SM {c['sm_mhz_median']:.0f} MHz median "
+                         f"({c['sm_mhz_min']:.0f}–{c['sm_mhz_max']:.0f}), {c['power_w_median']:.0f} W median, "
+                         f"power cap in {100 * c['power_capped_share']:.0f}% of {c['samples']} samples")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(os.path.join(a.out, "summary.md"), "w") as f:

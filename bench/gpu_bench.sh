@@ -43,9 +43,9 @@
 #                    (MODEL/kernel_trace/kernels.rank0.{json,txt}; `ndtrain train --kernel-trace`)
 #   NDTRAIN_LAUNCH               prefix for ndtrain (e.g. "mpirun -np 1 --allow-run-as-root"; default none)
 #   CLOCKS=1         samples the GPU's SM and memory clocks, power, temperature and throttle reasons every
-#                    100 ms during each training run (nvidia-smi) into MODEL/<run>.clocks.csv, with the run's
-#                    start time (Unix seconds) in MODEL/<run>.start: a step's time in metrics.jsonl
-#                    (elapsed_seconds) plus the start gives the samples beside it
+#                    100 ms during each training run (nvidia-smi) into MODEL/<run>.clocks.csv; the report
+#                    gives each run's median SM clock and power over its timed steps and the share of samples
+#                    with a power cap (the steps' Unix times: "time" in metrics.jsonl)
 #   DEVICE=cuda PRECISION=bf16   MODELS=tiny DEVICE=cpu PRECISION=fp32 smoke-tests the script without a GPU
 set -uo pipefail
 

@@ -30,8 +30,9 @@ F.scaled_dot_product_attention(is_causal=True), restricted to the flash backend 
   torch_model.py train --config CFG.yaml [--set k=v ...] [--init model.safetensors] --out DIR
                        [--mode eager|compile] [--device cuda] [--precision bf16|fp32] [--steps N]
       writes DIR/metrics.jsonl: one {"type": "train", "step", "loss", "lr", "grad_norm", "step_seconds",
-      "elapsed_seconds", "peak_mem_gib"} per step, the fields ndtrain's metrics.jsonl has (MoE models also
-      "moe_aux_loss", "moe_z_loss", "expert_load_max_over_mean", "expert_load", as ndtrain).
+      "elapsed_seconds", "time", "peak_mem_gib"} per step ("time": Unix seconds at the step's end), the
+      fields ndtrain's metrics.jsonl has (MoE models also "moe_aux_loss", "moe_z_loss",
+      "expert_load_max_over_mean", "expert_load", as ndtrain).
   torch_model.py peak [--n 8192] [--trials 5] [--iters 20]
       prints {"peak_tflops": ...}: the best bf16 torch.matmul n x n x n throughput.
   torch_model.py probe-grouped-mm [--experts E --c C --f F]
@@ -582,7 +583,7 @@ def train(a):
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    start, start_unix = time.perf_counter(), time.time()
     pending, t_first = [], start
     for step in range(steps):
         t0 = time.perf_counter()
@@ -629,16 +630,18 @@ def train(a):
         per_step = (t1 - t_first) / len(pending)  # the steps since the last read-back share its wall time
         for i, (st_step, st_lr, st_tokens, _, _, st_moe) in enumerate(pending):
             write_record(out, a, st_step, steps, st_lr, st_tokens, losses[i] / st_tokens, gnorms[i], st_moe,
-                         per_step, t_first + per_step * (i + 1) - start, gb * S, dev, moe_layers, cfg)
+                         per_step, t_first + per_step * (i + 1) - start, gb * S, dev, moe_layers, cfg,
+                         start_unix)
         pending = []
     out.close()
 
 
 def write_record(out, a, step, steps, lr, n_tokens, loss, gnorm, moe_stats, step_s, elapsed, tokens, dev, moe_layers,
-                 cfg):
+                 cfg, start_unix):
     """One metrics.jsonl record (ndtrain's fields) and, at log steps, the progress line."""
     rec = {"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
            "loss_tokens": n_tokens, "step_seconds": step_s, "elapsed_seconds": elapsed,
+           "time": start_unix + elapsed,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0}
     moe_note = ""
     if moe_stats is not None:  # as ndtrain's metrics: values over the global batch, coefficients applied

@@ -102,7 +102,13 @@ TEST(TensorBoard, EventsMirrorTheMetricsRecords) {
   const std::string out = (dir.path() / "run").string();
   std::vector<nlohmann::json> records = {
       {{"step", 0}, {"type", "train"}, {"loss", 5.25}, {"lr", 1e-3}, {"moe", {{"load", {1.5, 0.5}}}}},
-      {{"step", 1}, {"type", "train"}, {"loss", 4.75}, {"lr", 1e-3}, {"note", "text is skipped"}},
+      // "time" (the step's Unix time) is the event's wall time, not a scalar
+      {{"step", 1},
+       {"type", "train"},
+       {"loss", 4.75},
+       {"lr", 1e-3},
+       {"note", "text is skipped"},
+       {"time", 1.8e9}},
       {{"step", 1}, {"type", "eval"}, {"exact_match", 0.875}},
       {{"type", "summary"}, {"tokens", 12}},  // no step: JSON only
   };

@@ -45,8 +45,10 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const json& recor
   const std::string type = record.contains("type") && record["type"].is_string()
                                ? record["type"].get<std::string>()
                                : std::string("metrics");
+  // "time" (Unix seconds) is the event's own wall time, not a curve.
   for (auto it = record.begin(); it != record.end(); ++it)
-    if (it.key() != "step" && it.key() != "type") add_leaves(it.value(), type + "/" + it.key(), out);
+    if (it.key() != "step" && it.key() != "type" && it.key() != "time")
+      add_leaves(it.value(), type + "/" + it.key(), out);
   return out;
 }
 

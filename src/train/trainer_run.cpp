@@ -183,6 +183,10 @@ void Trainer::run(std::function<void(const StepStats&)> on_step, std::function<v
   };
 
   const auto start = std::chrono::steady_clock::now();
+  // The same moment on the wall clock: a step's Unix time ("time") lines it up with outside samples
+  // (bench/gpu_bench.sh CLOCKS=1).
+  const double start_unix =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   const double tokens_per_step = static_cast<double>(tc.global_batch * cfg_.data.seq_len);
   // Logs a complete step; `elapsed` is the run's wall time when it ended.
   auto log_step = [&](const StepStats& st, double elapsed) {
@@ -198,6 +202,7 @@ void Trainer::run(std::function<void(const StepStats&)> on_step, std::function<v
                           {"step_seconds", st.seconds},
                           {"peak_mem_gib", st.peak_mem_gib},
                           {"elapsed_seconds", elapsed},
+                          {"time", start_unix + elapsed},
                           {"skipped", st.skipped},
                           {"skipped_steps", st.skipped_steps}};
     if (!st.peak_mem_gib_per_rank.empty()) rec["peak_mem_gib_per_rank"] = st.peak_mem_gib_per_rank;
