@@ -4,8 +4,16 @@
 # tests under AddressSanitizer + UndefinedBehaviorSanitizer (one clang build, build-asan, shared by both).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install_deps.sh --test
-scripts/build.sh
-(cd build && ctest --output-on-failure -j1 "$@")
-scripts/fuzz.sh
-scripts/sanitize.sh
+t0=$(date +%s)
+phase() {  # NAME COMMAND...: run it, then say how long it took (CI's budget is ~30 minutes in all)
+  local name=$1 start
+  shift
+  start=$(date +%s)
+  "$@"
+  echo "test.sh: $name took $(($(date +%s) - start)) s ($(($(date +%s) - t0)) s so far)"
+}
+phase "install_deps" scripts/install_deps.sh --test
+phase "build" scripts/build.sh
+phase "ctest" bash -c 'cd build && ctest --output-on-failure -j1 "$@"' ctest "$@"
+phase "fuzz" scripts/fuzz.sh
+phase "sanitize" scripts/sanitize.sh
