@@ -28,7 +28,9 @@
 #   TORCH_MODES="eager compile"  PYTHON=python3  TIMEOUT=400 (seconds per training run); modes: eager,
 #                    compile (both read the loss back every step, as ndtrain: "same semantics"), fastest
 #                    (torch.compile with the loss read back every 10 steps, SDPA's own backend choice;
-#                    TORCH_COMPILE_MODE=max-autotune-no-cudagraphs to try that mode too). Pad the
+#                    TORCH_COMPILE_MODE sets its compile mode), autotune (the same as fastest under
+#                    mode="max-autotune-no-cudagraphs": Inductor times Triton and cuBLAS choices per matmul,
+#                    minutes of compiling; its runs get AUTOTUNE_TIMEOUT=1200 s). Pad the
 #                    vocabulary for both sides with GPT2_SETS=model.vocab_size=50304.
 #   SCRATCH=/tmp/ndtrain-bench   big files (shards, initial weights), removed per model unless KEEP=1
 #   GPT2_SETS, LLAMA_SETS, MOE_SETS  extra `key=value` overrides for both trainers
@@ -184,9 +186,12 @@ run_model() {
   for mode in $TORCH_MODES; do
     log "$name: torch $mode"
     local how=(--mode "$mode")
+    local limit=$TIMEOUT
     [ "$mode" = fastest ] && how=(--mode compile --sync-every 10 --attention auto --compile-mode "${TORCH_COMPILE_MODE:-}")
+    [ "$mode" = autotune ] && how=(--mode compile --sync-every 10 --attention auto --compile-mode max-autotune-no-cudagraphs) &&
+      limit=${AUTOTUNE_TIMEOUT:-1200}
     clocks_start "$dir/torch_$mode"
-    timeout "$TIMEOUT" $PY bench/torch_model.py train --config "$cfg" --set "${sets[@]}" ${init_file:+--init "$init_file"} \
+    timeout "$limit" $PY bench/torch_model.py train --config "$cfg" --set "${sets[@]}" ${init_file:+--init "$init_file"} \
       "${how[@]}" --device "$DEVICE" --precision "$PRECISION" --out "$dir/torch_$mode" > "$dir/torch_$mode.log" 2>&1
     rc=$?
     clocks_stop
