@@ -12,8 +12,8 @@ records {"type": "train", "step", "loss", "step_seconds", "elapsed_seconds", "pe
              (ndt_common.matmul_params(active=True)); the header line also gives the total and active
              parameter counts (ndt_common.param_counts)
   loss       max |loss_ndtrain - loss_torch| over the first --loss-steps steps (same init, same batches)
-  clocks     where gpu_bench.sh sampled them (CLOCKS=1: DIR.clocks.csv, DIR.start), the SM clock and power
-             over the timed steps and the share of samples with a power-cap reason set
+  clocks     where gpu_bench.sh sampled them (CLOCKS=1: DIR.clocks.csv), the SM clock and power over the
+             timed steps (placed by the records' "time") and the share of samples with a power-cap reason set
 
   bench_report.py --config CFG [--set k=v ...] --peak peak.json --run LABEL=DIR ... [--failed LABEL=WHY ...]
                   --out DIR --title TITLE [--warmup 10] [--loss-steps 50]
@@ -22,11 +22,11 @@ Python standard library only.
 """
 import argparse
 import csv
+import datetime
 import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ndt_common import flops_per_token, matmul_params, param_counts, read_config  # noqa: E402
@@ -70,26 +70,22 @@ def run_stats(recs, tokens_per_step, warmup, fpt, peak_tflops):
 
 
 def clock_stats(run_dir, recs, warmup):
-    """CLOCKS=1 (gpu_bench.sh): the nvidia-smi samples beside the timed steps (RUN_DIR.clocks.csv, its start
-    time in RUN_DIR.start): median SM clock and power, and the share of samples with a power-cap reason."""
-    try:
-        start = float(open(run_dir + ".start").read())
-        rows = list(csv.reader(open(run_dir + ".clocks.csv")))
-    except (OSError, ValueError):
-        return None
+    """CLOCKS=1 (gpu_bench.sh): the nvidia-smi samples (RUN_DIR.clocks.csv) taken during the timed steps, as
+    the records' Unix times ("time") place them: median SM clock and power, and the share of samples with a
+    power-cap reason. None without those times (a sampler start plus elapsed_seconds would be late by the
+    process's start-up, ~20 s for the 1B Llama, and pick idle samples)."""
     steady = [r for r in recs if r["step"] >= warmup]
-    if len(steady) < 2 or len(rows) < 2:
+    if len(steady) < 2 or "time" not in steady[0] or "time" not in steady[-1]:
         return None
-    # Unix times: the records' own ("time", ndtrain and torch_model.py write it), else the sampler's start
-    # plus elapsed_seconds (late by the process's start-up).
-    first = steady[0].get("time", start + steady[0]["elapsed_seconds"])
-    lo = first - steady[0]["step_seconds"]
-    hi = steady[-1].get("time", start + steady[-1]["elapsed_seconds"])
+    try:
+        rows = list(csv.reader(open(run_dir + ".clocks.csv")))
+    except OSError:
+        return None
+    lo, hi = steady[0]["time"] - steady[0]["step_seconds"], steady[-1]["time"]
     mhz, watts, capped = [], [], 0
     for row in rows[1:]:  # timestamp, SM clock, memory clock, power, temperature[, reasons]
         try:
-            t = time.mktime(time.strptime(row[0].strip().split(".")[0], "%Y/%m/%d %H:%M:%S"))
-            t += float("0." + row[0].strip().split(".")[1]) if "." in row[0] else 0.0
+            t = datetime.datetime.strptime(row[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()  # local time
             if not lo <= t <= hi:
                 continue
             mhz.append(float(row[1].split()[0]))

@@ -81,7 +81,6 @@ clocks_start() {  # FILE_STEM
       fi
     done
   fi
-  date +%s.%N > "$1.start"
   nvidia-smi -i "$clocks_gpu" --format=csv -lms 100 --query-gpu="$clocks_fields" > "$1.clocks.csv" 2> /dev/null &
   clocks_pid=$!
 }
@@ -185,11 +184,12 @@ run_model() {
 
   for mode in $TORCH_MODES; do
     log "$name: torch $mode"
-    local how=(--mode "$mode")
-    local limit=$TIMEOUT
-    [ "$mode" = fastest ] && how=(--mode compile --sync-every 10 --attention auto --compile-mode "${TORCH_COMPILE_MODE:-}")
-    [ "$mode" = autotune ] && how=(--mode compile --sync-every 10 --attention auto --compile-mode max-autotune-no-cudagraphs) &&
-      limit=${AUTOTUNE_TIMEOUT:-1200}
+    local how=(--mode "$mode") limit=$TIMEOUT
+    local fast=(--mode compile --sync-every 10 --attention auto)
+    case $mode in
+      fastest) how=("${fast[@]}" --compile-mode "${TORCH_COMPILE_MODE:-}") ;;
+      autotune) how=("${fast[@]}" --compile-mode max-autotune-no-cudagraphs) limit=${AUTOTUNE_TIMEOUT:-1200} ;;
+    esac
     clocks_start "$dir/torch_$mode"
     timeout "$limit" $PY bench/torch_model.py train --config "$cfg" --set "${sets[@]}" ${init_file:+--init "$init_file"} \
       "${how[@]}" --device "$DEVICE" --precision "$PRECISION" --out "$dir/torch_$mode" > "$dir/torch_$mode.log" 2>&1

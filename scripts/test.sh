@@ -14,6 +14,6 @@ phase() {  # NAME COMMAND...: run it, then say how long it took (CI's budget is 
 }
 phase "install_deps" scripts/install_deps.sh --test
 phase "build" scripts/build.sh
-phase "ctest" bash -c 'cd build && ctest --output-on-failure -j1 "$@"' ctest "$@"
+phase "ctest" ctest --test-dir build --output-on-failure -j1 "$@"
 phase "fuzz" scripts/fuzz.sh
 phase "sanitize" scripts/sanitize.sh

@@ -45,7 +45,7 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const json& recor
   const std::string type = record.contains("type") && record["type"].is_string()
                                ? record["type"].get<std::string>()
                                : std::string("metrics");
-  // "time" (Unix seconds) is the event's own wall time, not a curve.
+  // "time" (the step's Unix seconds) is no curve; the event carries a wall time of its own.
   for (auto it = record.begin(); it != record.end(); ++it)
     if (it.key() != "step" && it.key() != "type" && it.key() != "time")
       add_leaves(it.value(), type + "/" + it.key(), out);
