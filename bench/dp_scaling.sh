@@ -15,6 +15,9 @@
 # KERNEL_TRACE=20:22 also records those steps' kernels (`ndtrain train --kernel-trace`): per run,
 # OUTDIR/<run>.kernels.txt (rank 0's table: exposed communication, per-kernel times) and
 # OUTDIR/<run>/kernel_trace/kernels.rank*.json (Chrome traces).
+# CLOCKS=1 samples GPU 0's (rank 0's) SM clock and power every 100 ms beside each run (OUTDIR/<run>.clocks.csv,
+# bench/clocks.sh) and adds their medians over the timed steps to the table: on H200s the steps run at the
+# board's power cap, so a run's clock follows the energy its work needs (docs/performance.md, session 46).
 set -uo pipefail
 ndtrain=${1:?usage: dp_scaling.sh NDTRAIN OUTDIR}
 out=${2:?usage: dp_scaling.sh NDTRAIN OUTDIR}
@@ -46,8 +49,18 @@ s = [r["step_seconds"] for r in recs if r.get("type", "train") == "train" and r[
 print(statistics.median(s) if s else "nan")
 EOF
 }
+source "$src/bench/clocks.sh"
+clock_cell() {  # RUN_DIR -> GPU 0's median SM clock and power over the timed steps (CLOCKS=1), else "–"
+  python3 - "$1" "$warmup" "$src/bench" <<'EOF'
+import sys
+sys.path.insert(0, sys.argv[3])
+from bench_report import clock_stats, read_metrics
+c = clock_stats(sys.argv[1], read_metrics(sys.argv[1] + "/metrics.jsonl"), int(sys.argv[2]))
+print(f"{c['sm_mhz_median']:.0f} MHz, {c['power_w_median']:.0f} W" if c else "–")
+EOF
+}
 base=0  # tokens/s of the 1-GPU run
-printf '| GPUs | ZeRO-1 | embedding grad | grad window | reduction | step ms (median) | tokens/s | efficiency vs 1 GPU |\n|---|---|---|---|---|---|---|---|\n' >"$out/dp_scaling.md"
+printf '| GPUs | ZeRO-1 | embedding grad | grad window | reduction | step ms (median) | tokens/s | efficiency vs 1 GPU | GPU 0 clock, power |\n|---|---|---|---|---|---|---|---|---|\n' >"$out/dp_scaling.md"
 for zero1 in false true; do
   for n in $gpus; do
    for emb in $embs; do
@@ -59,17 +72,19 @@ for zero1 in false true; do
     [[ $embs == auto && $wins == true && $reds == nccl ]] && dir=$out/dp${n}_zero1_$zero1
     trace=()
     [[ -n ${KERNEL_TRACE:-} ]] && trace=(--kernel-trace "$dir/kernel_trace" --kernel-trace-steps "$KERNEL_TRACE")
+    clocks_start "$dir"
     timeout 300 mpirun --allow-run-as-root -np "$n" "$ndtrain" train "${trace[@]}" --config "$src/configs/$config" \
       --set data.task=lm data.tokenizer=byte train.device=cuda train.precision=bf16 parallel.dp="$n" "${model_sets[@]}" \
       parallel.zero1=$zero1 parallel.dp_embedding_grad="$emb" parallel.dp_grad_window="$win" parallel.dp_reduction="$red" train.micro_batch=$micro train.global_batch=$((per_gpu * n)) train.steps="$steps" \
       train.warmup_steps=5 train.log_every=10 train.eval_every=0 ${EXTRA_SETS:-} "train.out_dir=$dir" >"$dir.log" 2>&1
     rc=$?
+    clocks_stop
     med=nan
     [[ $rc == 0 && -f $dir/metrics.jsonl ]] && med=$(median_step "$dir/metrics.jsonl")
     rm -f "$dir/model.safetensors"
     [[ -f $dir/kernel_trace/kernels.rank0.txt ]] && cp "$dir/kernel_trace/kernels.rank0.txt" "$dir.kernels.txt"
     if [[ $med == nan ]]; then
-      echo "| $n | $zero1 | $emb | $win | $red | FAILED (exit $rc, $(basename "$dir").log) | | |" >>"$out/dp_scaling.md"
+      echo "| $n | $zero1 | $emb | $win | $red | FAILED (exit $rc, $(basename "$dir").log) | | | |" >>"$out/dp_scaling.md"
       tail -5 "$dir.log"
       continue
     fi
@@ -77,8 +92,8 @@ for zero1 in false true; do
 t = $per_gpu * $seq * $n / $med; b = $base
 print(f'{t:.0f}', f'{t / ($n * b):.3f}' if b else '1.000')")"
     [[ $n == 1 ]] && base=$tps
-    printf '| %s | %s | %s | %s | %s | %.2f | %s | %s |\n' "$n" "$zero1" "$emb" "$win" "$red" "$(python3 -c "print(1e3 * $med)")" "$tps" \
-      "$eff" >>"$out/dp_scaling.md"
+    printf '| %s | %s | %s | %s | %s | %.2f | %s | %s | %s |\n' "$n" "$zero1" "$emb" "$win" "$red" "$(python3 -c "print(1e3 * $med)")" "$tps" \
+      "$eff" "$(clock_cell "$dir")" >>"$out/dp_scaling.md"
    done
    done
    done

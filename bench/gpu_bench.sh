@@ -66,30 +66,7 @@ TIMEOUT=${TIMEOUT:-400}
 SCRATCH=${SCRATCH:-/tmp/ndtrain-bench}
 LAUNCH=${NDTRAIN_LAUNCH:-}
 
-# CLOCKS=1: one nvidia-smi sampler per training run (the GPU of CUDA_VISIBLE_DEVICES' first entry).
-clocks_pid="" clocks_gpu="" clocks_fields=""
-clocks_start() {  # FILE_STEM
-  [ "${CLOCKS:-0}" = 1 ] && command -v nvidia-smi > /dev/null || return 0
-  if [ -z "$clocks_fields" ]; then  # the throttle reasons' field has two names across drivers
-    clocks_gpu=${CUDA_VISIBLE_DEVICES:-0}
-    clocks_gpu=${clocks_gpu%%,*}
-    clocks_fields=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
-    for r in clocks_event_reasons.active clocks_throttle_reasons.active; do
-      if nvidia-smi -i "$clocks_gpu" --format=csv --query-gpu="$clocks_fields,$r" > /dev/null 2>&1; then
-        clocks_fields+=",$r"
-        break
-      fi
-    done
-  fi
-  nvidia-smi -i "$clocks_gpu" --format=csv -lms 100 --query-gpu="$clocks_fields" > "$1.clocks.csv" 2> /dev/null &
-  clocks_pid=$!
-}
-clocks_stop() {
-  [ -n "$clocks_pid" ] || return 0
-  kill "$clocks_pid" 2> /dev/null
-  wait "$clocks_pid" 2> /dev/null
-  clocks_pid=""
-}
+source "$REPO/bench/clocks.sh"  # CLOCKS=1: clocks_start STEM / clocks_stop around each training run
 DEVICE=${DEVICE:-cuda}        # cpu (with PRECISION=fp32): a GPU-less dry run of the script (MODELS=tiny)
 PRECISION=${PRECISION:-bf16}
 mkdir -p "$SCRATCH"
