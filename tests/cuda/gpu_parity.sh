@@ -82,6 +82,7 @@ rows=(
   "moe_ep2_sigmoid_top1  2      ${moe[*]} parallel.dp=2 parallel.ep=2 model.moe.router=sigmoid model.moe.top_k=1"
   "moe_ep2_tp2_sp        4      ${moe[*]} parallel.dp=2 parallel.ep=2 parallel.tp=2 parallel.sequence_parallel=true"
   "moe_ep4               4      ${moe[*]} parallel.dp=4 parallel.ep=4"
+  "moe_ep8               8      model.moe.num_experts=8 parallel.dp=8 parallel.ep=8 train.micro_batch=1"
   "moe_pp2_ep2           4      ${moe[*]} parallel.pp=2 parallel.dp=2 parallel.ep=2 train.micro_batch=2"
   "moe_pp2_cp2_ep2_packed 8     ${moe[*]} parallel.pp=2 parallel.cp=2 parallel.dp=2 parallel.ep=2 train.micro_batch=2 ${packed[*]}"
 )
