@@ -147,7 +147,7 @@ struct Measure {
 // Runs `iter` (one unit of work) for `seconds`, in batches between host checks; energy and time around it.
 template <typename F>
 Measure sustained(const Nvml& nvml, double seconds, cudaStream_t st, F&& iter) {
-  // A batch of calls between host checks lasts about 50 ms, so the GPU never waits for the host.
+  // A batch of calls between host checks lasts about 50 ms: the GPU idles only for a relaunch per batch.
   const auto w0 = std::chrono::steady_clock::now();
   for (int i = 0; i < 3; ++i) iter();
   CHECK_CUDA(cudaStreamSynchronize(st));
