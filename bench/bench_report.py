@@ -13,7 +13,8 @@ records {"type": "train", "step", "loss", "step_seconds", "elapsed_seconds", "pe
              parameter counts (ndt_common.param_counts)
   loss       max |loss_ndtrain - loss_torch| over the first --loss-steps steps (same init, same batches)
   clocks     where gpu_bench.sh sampled them (CLOCKS=1: DIR.clocks.csv), the SM clock and power over the
-             timed steps (placed by the records' "time") and the share of samples with a power-cap reason set
+             timed steps (placed by the records' "time"), the share of samples with a power-cap reason set,
+             and the energy of a step (median power x the timed wall time per step)
 
   bench_report.py --config CFG [--set k=v ...] --peak peak.json --run LABEL=DIR ... [--failed LABEL=WHY ...]
                   --out DIR --title TITLE [--warmup 10] [--loss-steps 50]
@@ -206,6 +207,8 @@ def main():
         st = run_stats(recs, gb * S, a.warmup, fpt, peak)
         if st is not None:
             st["clocks"] = clock_stats(d, recs, a.warmup)
+            if st["clocks"]:  # at a power cap the step's energy, not its idle time, sets the speed
+                st["clocks"]["joules_per_step"] = st["clocks"]["power_w_median"] * gb * S / st["tokens_per_s"]
         runs.append((label, recs, st))
     os.makedirs(a.out, exist_ok=True)
 
@@ -258,7 +261,8 @@ def main():
         c = st and st.get("clocks")
         if c:
             lines.append(f"- clocks over the timed steps, {label}: SM {c['sm_mhz_median']:.0f} MHz median "
-                         f"({c['sm_mhz_min']:.0f}–{c['sm_mhz_max']:.0f}), {c['power_w_median']:.0f} W median, "
+                         f"({c['sm_mhz_min']:.0f}–{c['sm_mhz_max']:.0f}), {c['power_w_median']:.0f} W median "
+                         f"(about {c['joules_per_step']:.1f} J a step), "
                          f"power cap in {100 * c['power_capped_share']:.0f}% of {c['samples']} samples")
     text = "\n".join(lines) + "\n"
     print(text)
