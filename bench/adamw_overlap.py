@@ -4,7 +4,13 @@ the forward matmuls of one microbatch (4 x 2048 tokens, 16 layers) alone, torch'
 chunks of 65M fp32 parameters alone, both in sequence, and both on two streams with layer l's matmuls
 waiting for chunk l's update (the order an optimizer overlapped with the next forward would need).
 Usage: adamw_overlap.py"""
+import os
+import sys
+
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ndt_common import cuda_ms  # noqa: E402
 
 T, D, F, KV, LAYERS, CHUNK = 8192, 2048, 8192, 512, 16, 65_000_000
 
@@ -60,17 +66,8 @@ def main():
             layer(l)
         main_stream.wait_stream(side)
 
-    def ms(f, reps=10):
-        for _ in range(3):
-            f()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            f()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / reps
+    def ms(f):
+        return cuda_ms(f, calls=10)
 
     for _ in range(2):
         tf, to, tb = ms(forward), ms(update), ms(overlapped)

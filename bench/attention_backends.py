@@ -5,26 +5,17 @@ is installed, N calls back to back on one stream (CUDA events): what the best at
 costs, against ndtrain's cuDNN call in the step (an `ndtrain train --kernel-trace` of the same model;
 docs/performance.md, session 47). FLOPs: causal forward 2 * B * H * S^2 * D, the backward 2.5 times that.
 Usage: attention_backends.py [CALLS]"""
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ndt_common import cuda_ms  # noqa: E402
+
 B, H, HKV, S, D, CALLS_A_STEP = 4, 32, 8, 2048, 64, 32  # 16 layers x 2 microbatches
-
-
-def timed(fn, calls):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def report(name, ms):
@@ -45,8 +36,8 @@ def main():
             label = f"SDPA {name}, {kv_heads} KV heads"
             try:
                 with sdpa_kernel(backend):
-                    ms = timed(lambda: F.scaled_dot_product_attention(
-                        q, k, v, is_causal=True, enable_gqa=kv_heads != H).backward(dout), calls)
+                    ms = cuda_ms(lambda: F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, enable_gqa=kv_heads != H).backward(dout), calls, warmup=5)
                 report(label, ms)
             except RuntimeError as err:
                 print(f"{label:>28}: not available ({str(err).splitlines()[0][:100]})")
@@ -59,7 +50,7 @@ def main():
             out = flash_attn_interface.flash_attn_func(qf, kf, vf, causal=True)
             (out[0] if isinstance(out, tuple) else out).backward(dof)
 
-        report("FlashAttention-3, 8 KV heads", timed(fa3, calls))
+        report("FlashAttention-3, 8 KV heads", cuda_ms(fa3, calls, warmup=5))
     except ImportError:
         print(f"{'FlashAttention-3':>28}: not installed")
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")

@@ -299,3 +299,20 @@ def flops_per_token(cfg, seq_len):
     and the backward twice that (PaLM's 12 L H D S counts the full, non-causal square). N is
     matmul_params(cfg, active=True): for an MoE model the ACTIVE weights (top_k of the E routed experts)."""
     return 6 * matmul_params(cfg) + 6 * cfg["model.n_layers"] * cfg["model.n_heads"] * cfg.head_dim * seq_len
+
+
+def cuda_ms(fn, calls, warmup=3):
+    """Milliseconds a call of fn takes on the GPU: `warmup` calls, then `calls` back to back between two
+    CUDA events (no host synchronisation in between)."""
+    import torch  # only the GPU benchmarks need it
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
