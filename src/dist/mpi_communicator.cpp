@@ -307,9 +307,9 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   int provided = 0;
   // Without a launcher this is a one-rank singleton job. Open MPI would spawn an orted daemon for it
   // (hwloc's probe of the machine: ~0.25 s of every single-process command); ndtrain never spawns or
-  // connects to other jobs, so it asks for the isolated singleton. A value set by the user wins.
-  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr;
-  if (!launched) setenv("OMPI_MCA_ess_singleton_isolated", "1", /*overwrite=*/0);
+  // connects to other jobs, so it asks for the isolated singleton. Only the singleton component reads this
+  // parameter, so a launched rank is unaffected; a value set by the user wins.
+  setenv("OMPI_MCA_ess_singleton_isolated", "1", /*overwrite=*/0);
   // FUNNELED: OpenMP threads compute, only the main thread calls MPI.
   int rc = MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
   if (rc != MPI_SUCCESS) NDT_FAIL("MPI_Init_thread failed with error code {}", rc);
